@@ -1,0 +1,45 @@
+"""fsdp_graph: sharded (FSDP) training whose layers can run as CUDA graphs.
+
+Public API (see README.md for the full picture):
+
+- ``init_distributed()``: process group from torchrun / accelerate / plain python.
+- ``fully_shard(module, ...)``: FSDP2-style, bottom-up; persistent double-buffered parameters.
+- ``MixedPrecision``: compute and reduce dtypes.
+- ``full_state_dict`` / ``load_full_state_dict``: unsharded checkpoints.
+- ``clip_grad_norm_``: global gradient-norm clipping.
+- ``FSDPModule``: mixin of every sharded module (``no_sync()``, ``set_requires_gradient_sync()``).
+"""
+
+from .clip_grad import clip_grad_norm_
+from .distributed import DistInfo, init_distributed
+from .fully_shard import FSDPModule, fully_shard
+from .hooks import (
+    BACKWARD_PRE_SENTINEL,
+    BACKWARD_SENTINEL,
+    post_backward_handler,
+    pre_backward_handler,
+)
+from .mixed_precision import MixedPrecision
+from .state_dict import full_state_dict, load_full_state_dict
+from .training_state import TrainingState, TransitionError
+from .unit import FSDPUnit
+
+__all__ = [
+    "BACKWARD_PRE_SENTINEL",
+    "BACKWARD_SENTINEL",
+    "DistInfo",
+    "FSDPModule",
+    "FSDPUnit",
+    "MixedPrecision",
+    "TrainingState",
+    "TransitionError",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "fully_shard",
+    "init_distributed",
+    "load_full_state_dict",
+    "post_backward_handler",
+    "pre_backward_handler",
+]
+
+__version__ = "0.1.0"

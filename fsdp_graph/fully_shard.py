@@ -1,0 +1,235 @@
+"""``fully_shard``: turn a module into an FSDP unit, FSDP2 style (bottom-up, in place).
+
+Call it on each unit (e.g. every transformer block), then on the root. A parameter belongs to
+the innermost unit whose subtree holds *every* reference to it. A parameter tied across two
+units (an embedding shared with the LM head, each wrapped on its own) therefore belongs to
+their common ancestor: when that ancestor is wrapped, the child unit that took the parameter
+first is rebuilt without it (one all-gather, at set-up time only).
+
+The module's class is swapped for a subclass that also derives from ``FSDPModule``, which adds
+``no_sync()`` and ``set_requires_gradient_sync()``, as FSDP2 does.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .distributed import resolve_group
+from .hooks import UNIT_ATTR, register_unit_hooks, unit_of
+from .mixed_precision import MixedPrecision
+from .unit import MASTER_TAG, FSDPUnit, UnitConfig
+
+_ENCLOSING_ATTR = "_fsdp_enclosing_unit"  # on every module inside a unit's subtree
+_HOOKS_ATTR = "_fsdp_hook_handles"
+
+
+class FSDPModule:
+    """Mixin added to every module passed to ``fully_shard``."""
+
+    @property
+    def fsdp_unit(self) -> FSDPUnit:
+        return unit_of(self)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward keeps unsharded gradients (accumulating) and skips the reduce-scatter;
+        the next backward with True reduces the accumulated sum."""
+        units = units_in(self) if recurse else [unit_of(self)]
+        for unit in units:
+            unit.requires_gradient_sync = requires_gradient_sync
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside the block skip gradient reduction."""
+        units = units_in(self)
+        previous = [u.requires_gradient_sync for u in units]
+        for unit in units:
+            unit.requires_gradient_sync = False
+        try:
+            yield
+        finally:
+            for unit, value in zip(units, previous):
+                unit.requires_gradient_sync = value
+
+
+_fsdp_classes: dict[type, type] = {}
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return
+    if cls not in _fsdp_classes:
+        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    module.__class__ = _fsdp_classes[cls]
+
+
+def units_in(module: nn.Module) -> list[FSDPUnit]:
+    """Every unit in ``module``'s subtree (itself included), outermost first."""
+    seen: dict[int, FSDPUnit] = {}
+    for sub in module.modules():
+        unit = sub.__dict__.get(UNIT_ATTR)
+        if unit is not None:
+            seen.setdefault(id(unit), unit)
+    return list(seen.values())
+
+
+def _param_refs(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]]:
+    """Every parameter object under ``module`` with all the places that reference it."""
+    refs: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
+    seen_places: set[tuple[int, str]] = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, param in sub._parameters.items():
+            if param is None or (id(sub), attr) in seen_places:
+                continue
+            seen_places.add((id(sub), attr))
+            fqn = f"{prefix}.{attr}" if prefix else attr
+            refs.setdefault(id(param), (param, []))[1].append((sub, attr, fqn))
+    return list(refs.values())
+
+
+def _is_master(param: nn.Parameter) -> bool:
+    return getattr(param, MASTER_TAG, False)
+
+
+def _choose_device(module: nn.Module, group: dist.ProcessGroup | None) -> torch.device:
+    if group is not None and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    for param in module.parameters():
+        if param.device.type == "meta":
+            raise ValueError(
+                "fully_shard: parameters are on the meta device; materialise them first "
+                "(module.to_empty(device=...) and re-initialise) before fully_shard"
+            )
+        return param.device
+    return torch.device("cpu")
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+def _build_unit(
+    module: nn.Module,
+    refs: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]],
+    config: UnitConfig,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> FSDPUnit:
+    """Make ``module`` a unit owning the parameters all of whose references lie in its subtree
+    and that no inner unit owns yet."""
+    inside = {id(m) for m in module.modules()}
+    owned = []
+    for param, places in refs:
+        if _is_master(param) or not all(id(m) in inside for m, _, _ in places):
+            continue
+        prefix = next((name for name, m in module.named_modules() if m is places[0][0]), "")
+        name = f"{prefix}.{places[0][1]}" if prefix else places[0][1]
+        owned.append((name, param, [(m, attr) for m, attr, _ in places]))
+    unit = FSDPUnit(module, owned, config, group, device)
+    module.__dict__[UNIT_ATTR] = unit
+    module.__dict__[_HOOKS_ATTR] = register_unit_hooks(module)
+    _swap_class(module)
+    return unit
+
+
+def _dissolve(unit: FSDPUnit, refs) -> None:
+    """Undo a unit (set-up time only): full parameters back in place of its masters, ties re-joined."""
+    places_of = {id(param): places for param, places in refs}
+    for mp, value in zip(unit.params, unit.full_params()):
+        restored = nn.Parameter(value, requires_grad=mp.requires_grad)
+        for module, attr in mp.refs:
+            module._parameters[attr] = restored
+        original = mp.original()
+        for module, attr, _ in places_of.get(id(original), []) if original is not None else []:
+            module._parameters[attr] = restored
+    for handle in unit.module.__dict__.pop(_HOOKS_ATTR):
+        handle.remove()
+    del unit.module.__dict__[UNIT_ATTR]
+
+
+def _depth(module: nn.Module, root: nn.Module) -> int:
+    for name, sub in root.named_modules():
+        if sub is module:
+            return name.count(".") + (1 if name else 0)
+    return 0
+
+
+def _link(root_unit: FSDPUnit) -> None:
+    """Parents, names, subtree lists and the enclosing mark, for every unit under ``root_unit``."""
+    all_units: list[FSDPUnit] = []
+
+    def walk(module: nn.Module, name: str, enclosing: FSDPUnit | None) -> None:
+        unit = module.__dict__.get(UNIT_ATTR)
+        if unit is not None and unit is not enclosing:
+            unit.parent = enclosing
+            unit.name = f"{name or '<root>'} ({unit.class_name})"
+            unit.root_unit, unit.root_ctx = root_unit, None
+            all_units.append(unit)
+            enclosing = unit
+        module.__dict__[_ENCLOSING_ATTR] = enclosing
+        for child_name, child in module.named_children():
+            walk(child, f"{name}.{child_name}" if name else child_name, enclosing)
+
+    walk(root_unit.module, "", None)
+    root_unit.subtree_units = all_units
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mp_policy: MixedPrecision | None = None,
+    double_buffer: bool = True,
+    persist_buffer_on_alloc_fail: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters (those not owned by an inner unit) across ``process_group``.
+
+    ``double_buffer``: unsharded parameters/gradients of leaf units alternate between two
+    persistent slots, so their addresses never change (required for CUDA graphs).
+    ``persist_buffer_on_alloc_fail``: a unit that cannot use a slot (too large, or it contains
+    other units) gets its own persistent buffer instead of a fresh allocation per unshard
+    (required for CUDA graphs too). With ``double_buffer=False`` every unshard allocates, as in
+    FSDP2. Returns ``module``, modified in place.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    mp_policy = MixedPrecision() if mp_policy is None else mp_policy
+    if not isinstance(mp_policy, MixedPrecision):
+        raise TypeError(f"mp_policy must be fsdp_graph.MixedPrecision, got {type(mp_policy).__name__}")
+    enclosing = module.__dict__.get(_ENCLOSING_ATTR)
+    if enclosing is not None:
+        if enclosing.module is module:
+            raise ValueError(f"fully_shard: {enclosing.name} is already sharded; call fully_shard once per module")
+        raise ValueError(
+            f"fully_shard({type(module).__name__}) called after fully_shard on the enclosing module "
+            f"{enclosing.name}. Call fully_shard bottom-up, as in FSDP2: every inner unit (e.g. each "
+            "transformer block) first, then the root."
+        )
+    group = resolve_group(process_group)
+    device = _choose_device(module, group)
+    _move_buffers(module, device)
+    config = UnitConfig(mp_policy, double_buffer, persist_buffer_on_alloc_fail)
+
+    # Parameters tied across an inner unit's boundary move up: rebuild that unit without them.
+    refs = _param_refs(module)
+    inner = units_in(module)
+    crossing = [u for u in inner if any(u.replaced_original(p) for p, _ in refs if not _is_master(p))]
+    for unit in crossing:
+        _dissolve(unit, refs)
+    if crossing:
+        refs = _param_refs(module)
+        for unit in sorted(crossing, key=lambda u: -_depth(u.module, module)):
+            _build_unit(unit.module, refs, unit.config, unit.group, unit.device)
+            refs = _param_refs(module)
+
+    unit = _build_unit(module, refs, config, group, device)
+    _link(unit)
+    return module

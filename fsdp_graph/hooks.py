@@ -1,0 +1,138 @@
+"""The module hooks fully_shard installs, and the sentinel protocol a graph wrapper relies on.
+
+Per unit module, four hooks, each doing one thing:
+
+=============================  ==============  ==============================================
+hook                           kind            does
+=============================  ==============  ==============================================
+``pre_forward_unshard``        forward-pre     unshard (all-gather into the buffer), prefetch next
+``install_post_backward``      forward-pre     wrap the inputs in an autograd function whose
+                                               backward calls ``post_backward_handler``
+``post_forward_reshard``       forward         reshard (mark the buffer free)
+``install_pre_backward``       forward         register grad hooks on the outputs that call
+                                               ``pre_backward_handler`` (and queue the root's
+                                               end-of-backward step)
+=============================  ==============  ==============================================
+
+Sentinel protocol. The two *wrapper* hooks (the ones that install backward handlers through
+autograd) carry an attribute naming the inner handler they install:
+
+* ``install_pre_backward._cuda_graph_backward_pre_handler is pre_backward_handler``
+* ``install_post_backward._cuda_graph_backward_handler is post_backward_handler``
+
+Each inner handler is callable on its own as ``handler(module)``, outside autograd. A CUDA-graph
+wrapper that finds a hook with one of these attributes withholds the hook during capture and
+calls the handler itself around the backward capture; plain hooks (unshard, reshard) it calls
+around the forward capture. The unit's training state checks that the order is legal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .training_state import TrainingState
+from .unit import FSDPUnit
+
+UNIT_ATTR = "_fsdp_unit"
+BACKWARD_PRE_SENTINEL = "_cuda_graph_backward_pre_handler"
+BACKWARD_SENTINEL = "_cuda_graph_backward_handler"
+
+
+def unit_of(module: nn.Module) -> FSDPUnit:
+    return module.__dict__[UNIT_ATTR]
+
+
+# -- inner handlers (callable on their own) ------------------------------------------------
+def pre_backward_handler(module: nn.Module) -> None:
+    """Unshard for backward, point .grad at the persistent gradient buffer, prefetch the previous unit."""
+    unit_of(module).pre_backward()
+
+
+def post_backward_handler(module: nn.Module) -> None:
+    """Reduce-scatter the unit's gradients into the sharded .grad, then release its buffers."""
+    unit_of(module).post_backward()
+
+
+# -- plain hooks ---------------------------------------------------------------------------
+def pre_forward_unshard(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    unit_of(module).pre_forward()
+
+
+def post_forward_reshard(module: nn.Module, args: tuple, output) -> None:
+    unit_of(module).post_forward()
+
+
+# -- wrapper hooks (carry sentinels) -------------------------------------------------------
+class _PostBackwardTrigger(torch.autograd.Function):
+    """Identity on the unit's inputs; its backward runs once the gradients w.r.t. all inputs
+    exist, i.e. after the unit's whole backward: the moment to reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, module: nn.Module, *inputs: torch.Tensor):
+        ctx.module = module
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        post_backward_handler(ctx.module)
+        return (None, *grads)
+
+
+def _hooks_active(module: nn.Module) -> bool:
+    return torch.is_grad_enabled() and unit_of(module).state is not TrainingState.BACKWARD
+
+
+def install_post_backward(module: nn.Module, args: tuple, kwargs: dict):
+    if not _hooks_active(module):
+        return None
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not positions:
+        return None  # the root's end-of-backward step runs this unit's post-backward instead
+    wrapped = _PostBackwardTrigger.apply(module, *(flat[i] for i in positions))
+    for i, tensor in zip(positions, wrapped):
+        flat[i] = tensor
+    return tree_unflatten(flat, spec)
+
+
+install_post_backward._cuda_graph_backward_handler = post_backward_handler
+
+
+def install_pre_backward(module: nn.Module, args: tuple, output):
+    if not _hooks_active(module):
+        return None
+    outputs = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+    for tensor in outputs:
+        tensor.register_hook(_OutputGradHook(module))
+    return None
+
+
+install_pre_backward._cuda_graph_backward_pre_handler = pre_backward_handler
+
+
+class _OutputGradHook:
+    """Fires when a unit output's gradient is ready: the unit's backward is about to start."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        ctx = unit_of(self.module).root_ctx
+        if not ctx.end_of_backward_queued:
+            ctx.end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(ctx.end_backward)
+        pre_backward_handler(self.module)
+
+
+def register_unit_hooks(module: nn.Module) -> list:
+    """Install the four hooks; returns their handles (removed if the unit is re-planned)."""
+    return [
+        module.register_forward_pre_hook(install_post_backward, with_kwargs=True, prepend=True),
+        module.register_forward_pre_hook(pre_forward_unshard, with_kwargs=True, prepend=True),
+        module.register_forward_hook(post_forward_reshard),
+        module.register_forward_hook(install_pre_backward),
+    ]

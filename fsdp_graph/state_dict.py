@@ -1,0 +1,62 @@
+"""Full (unsharded) state dicts: what `load_state_dict(strict=True)` of the unwrapped model takes.
+
+Keys are the model's own ``state_dict()`` keys (tied parameters under every name they have,
+persistent buffers included); values of sharded parameters are gathered from all ranks and
+returned in their original shape and dtype. Both functions are collectives: call them on
+every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+
+from .fully_shard import units_in
+
+
+def _masters(model: nn.Module) -> dict[int, tuple]:
+    """id(master parameter) -> (unit, index in the unit)."""
+    return {id(mp.master): (unit, i) for unit in units_in(model) for i, mp in enumerate(unit.params)}
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{original name: full tensor} on every rank."""
+    full: dict[int, torch.Tensor] = {}
+    for unit in units_in(model):
+        for mp, value in zip(unit.params, unit.full_params()):
+            full[id(mp.master)] = value
+    return {
+        key: full[id(value)] if id(value) in full else value.detach().clone()
+        for key, value in model.state_dict(keep_vars=True).items()
+    }
+
+
+def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Load a full state dict (from ``full_state_dict`` or the unsharded model) into the shards."""
+    current = model.state_dict(keep_vars=True)
+    missing = sorted(current.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - current.keys())
+    if missing or unexpected:
+        raise KeyError(
+            "load_full_state_dict: the state dict's keys do not match the model's "
+            f"(missing: {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+            f"unexpected: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}). "
+            "Pass a dict from full_state_dict() or from the unsharded model's state_dict() "
+            "for the same architecture."
+        )
+    masters = _masters(model)
+    for key, target in current.items():
+        value = state_dict[key]
+        if id(target) in masters:
+            unit, index = masters[id(target)]
+            unit.load_full_param(index, value.to(target.device), key)
+            continue
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"load_full_state_dict: '{key}' has shape {tuple(value.shape)} but the model's "
+                f"tensor has shape {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(value)
