@@ -22,7 +22,7 @@ import torch.nn as nn
 from .distributed import resolve_group
 from .hooks import UNIT_ATTR, register_unit_hooks, unit_of
 from .mixed_precision import MixedPrecision
-from .unit import MASTER_TAG, FSDPUnit, UnitConfig
+from .unit import MASTER_TAG, REPLACED_TAG, FSDPUnit, UnitConfig
 
 _ENCLOSING_ATTR = "_fsdp_enclosing_unit"  # on every module inside a unit's subtree
 _HOOKS_ATTR = "_fsdp_hook_handles"
@@ -96,6 +96,13 @@ def _is_master(param: nn.Parameter) -> bool:
     return getattr(param, MASTER_TAG, False)
 
 
+def _replaced_by(param: nn.Parameter) -> FSDPUnit | None:
+    """The live unit that already sharded this (original) parameter: it is tied across units."""
+    ref = getattr(param, REPLACED_TAG, None)
+    unit = ref() if ref is not None else None
+    return unit if unit is not None and unit.module.__dict__.get(UNIT_ATTR) is unit else None
+
+
 def _choose_device(module: nn.Module, group: dist.ProcessGroup | None) -> torch.device:
     if group is not None and "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
@@ -124,11 +131,12 @@ def _build_unit(
     device: torch.device,
 ) -> FSDPUnit:
     """Make ``module`` a unit owning the parameters all of whose references lie in its subtree
-    and that no inner unit owns yet."""
+    and that no unit owns yet (a parameter another unit already sharded is tied across units:
+    it waits for their common ancestor)."""
     inside = {id(m) for m in module.modules()}
     owned = []
     for param, places in refs:
-        if _is_master(param) or not all(id(m) in inside for m, _, _ in places):
+        if _is_master(param) or _replaced_by(param) or not all(id(m) in inside for m, _, _ in places):
             continue
         prefix = next((name for name, m in module.named_modules() if m is places[0][0]), "")
         name = f"{prefix}.{places[0][1]}" if prefix else places[0][1]
@@ -221,7 +229,11 @@ def fully_shard(
     # Parameters tied across an inner unit's boundary move up: rebuild that unit without them.
     refs = _param_refs(module)
     inner = units_in(module)
-    crossing = [u for u in inner if any(u.replaced_original(p) for p, _ in refs if not _is_master(p))]
+    crossing = []
+    for param, _ in refs:
+        unit = _replaced_by(param)
+        if unit is not None and unit in inner and unit not in crossing:
+            crossing.append(unit)
     for unit in crossing:
         _dissolve(unit, refs)
     if crossing:

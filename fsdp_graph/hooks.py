@@ -1,11 +1,13 @@
 """The module hooks fully_shard installs, and the sentinel protocol a graph wrapper relies on.
 
-Per unit module, four hooks, each doing one thing:
+Per unit module, these hooks, each doing one thing:
 
 =============================  ==============  ==============================================
 hook                           kind            does
 =============================  ==============  ==============================================
 ``pre_forward_unshard``        forward-pre     unshard (all-gather into the buffer), prefetch next
+``cast_forward_inputs``        forward-pre     cast floating inputs to ``param_dtype`` (only with
+                                               a ``MixedPrecision.param_dtype``)
 ``install_post_backward``      forward-pre     wrap the inputs in an autograd function whose
                                                backward calls ``post_backward_handler``
 ``post_forward_reshard``       forward         reshard (mark the buffer free)
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .training_state import TrainingState
 from .unit import FSDPUnit
@@ -58,6 +60,17 @@ def post_backward_handler(module: nn.Module) -> None:
 # -- plain hooks ---------------------------------------------------------------------------
 def pre_forward_unshard(module: nn.Module, args: tuple, kwargs: dict) -> None:
     unit_of(module).pre_forward()
+
+
+def cast_forward_inputs(module: nn.Module, args: tuple, kwargs: dict):
+    dtype = unit_of(module).compute_dtype
+
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, (args, kwargs))
 
 
 def post_forward_reshard(module: nn.Module, args: tuple, output) -> None:
@@ -129,10 +142,17 @@ class _OutputGradHook:
 
 
 def register_unit_hooks(module: nn.Module) -> list:
-    """Install the four hooks; returns their handles (removed if the unit is re-planned)."""
-    return [
-        module.register_forward_pre_hook(install_post_backward, with_kwargs=True, prepend=True),
+    """Install the hooks; returns their handles (removed if the unit is re-planned).
+
+    Forward-pre hooks run in the order unshard, cast inputs, install post-backward.
+    """
+    handles = [module.register_forward_pre_hook(install_post_backward, with_kwargs=True, prepend=True)]
+    policy = unit_of(module).config.mp_policy
+    if policy.param_dtype is not None and policy.cast_forward_inputs:
+        handles.append(module.register_forward_pre_hook(cast_forward_inputs, with_kwargs=True, prepend=True))
+    handles += [
         module.register_forward_pre_hook(pre_forward_unshard, with_kwargs=True, prepend=True),
         module.register_forward_hook(post_forward_reshard),
         module.register_forward_hook(install_pre_backward),
     ]
+    return handles

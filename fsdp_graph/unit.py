@@ -40,6 +40,7 @@ from .root import CommStreams, RootContext
 from .training_state import TrainingState, TransitionError, check_transition
 
 MASTER_TAG = "_fsdp_graph_master"  # set on every sharded master parameter
+REPLACED_TAG = "_fsdp_graph_replaced_by"  # on an original parameter: weakref to the unit that sharded it
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class FSDPUnit:
                 piece.copy_(original.detach().reshape(-1)[span.piece_start : span.piece_start + span.piece_numel])
                 mp.master = nn.Parameter(piece, requires_grad=mp.requires_grad)
                 setattr(mp.master, MASTER_TAG, True)
+                setattr(original, REPLACED_TAG, weakref.ref(self))
                 mp.master_ptr = mp.master.data_ptr()
         self._trainable = [i for i, mp in enumerate(self.params) if mp.requires_grad]
         self._use_masters()
@@ -155,10 +157,6 @@ class FSDPUnit:
     def buffer_key(self) -> tuple:
         """Units that may share slots: same dtypes, device and shard count."""
         return (self.compute_dtype, self.reduce_dtype, self.device, self.world_size, id(self.group))
-
-    def replaced_original(self, param: nn.Parameter) -> bool:
-        """Whether ``param`` is an original this unit replaced by a master (a tie seen from outside)."""
-        return any(mp.original() is param for mp in self.params)
 
     # -- buffer binding -------------------------------------------------------------------
     def bind_root(self, ctx: RootContext, placement: Placement, pool: SlotPool | None) -> None:

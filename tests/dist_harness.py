@@ -1,0 +1,92 @@
+"""Run a test function on N ranks, the way torchrun would, from inside pytest.
+
+Each rank is a fresh process (forkserver: torch is imported once, no CUDA state is inherited)
+with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, and calls
+``fsdp_graph.init_distributed(backend)`` itself. The backend is NCCL when there are enough
+GPUs, gloo otherwise (or what FSDP_GRAPH_TEST_BACKEND says). A rank's exception fails the test
+with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+TIMEOUT_S = float(os.environ.get("FSDP_GRAPH_TEST_TIMEOUT", "240"))
+_ctx = mp.get_context("forkserver")
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "fsdp_graph"])
+
+
+def backend_for(world_size: int) -> str:
+    forced = os.environ.get("FSDP_GRAPH_TEST_BACKEND")
+    if forced:
+        return forced
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str, error_file: str, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import fsdp_graph
+
+    try:
+        info = fsdp_graph.init_distributed(backend)
+        fn(info, *args)
+        dist.barrier()
+    except BaseException:
+        Path(error_file).write_text(traceback.format_exc())
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args, backend: str | None = None) -> None:
+    """Run ``fn(info, *args)`` on ``world_size`` ranks; ``fn`` must be a module-level function."""
+    backend = backend or backend_for(world_size)
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        errors = [os.path.join(tmp, f"rank{r}.err") for r in range(world_size)]
+        procs = [
+            _ctx.Process(target=_rank_main, args=(fn, r, world_size, port, backend, errors[r], args))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(TIMEOUT_S)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        reports = [f"--- rank {r} ---\n{Path(e).read_text()}" for r, e in enumerate(errors) if os.path.exists(e)]
+        if reports or hung:
+            detail = "\n".join(reports) or f"ranks {hung} did not finish within {TIMEOUT_S:.0f}s"
+            raise AssertionError(f"{fn.__name__} failed on {backend} x{world_size}:\n{detail}")
+        codes = [p.exitcode for p in procs]
+        if any(codes):
+            raise AssertionError(f"{fn.__name__}: rank exit codes {codes} on {backend} x{world_size}")

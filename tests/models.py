@@ -1,0 +1,80 @@
+"""Small models for the tests: uneven sizes (padding), a tied embedding, a frozen parameter,
+a buffer used in forward, and blocks that can be sharded as units."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdp_graph
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)  # a key bias has an exactly-zero gradient: Adam would amplify noise
+        self.proj = nn.Linear(d, d)
+        self.fc = nn.Linear(d, hidden)
+        self.out = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln(x)).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.out(F.gelu(self.fc(x)))
+
+
+class TinyLM(nn.Module):
+    """Embedding (tied to the head), blocks, final norm; odd sizes so shards need padding."""
+
+    def __init__(self, vocab: int = 37, d: int = 10, n_blocks: int = 3, hidden: int = 23, seq: int = 8,
+                 big_block: int | None = None) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.register_buffer("pos", torch.randn(seq, d) * 0.1)  # replicated, used in forward
+        self.blocks = nn.ModuleList(
+            Block(d, hidden * (4 if i == big_block else 1)) for i in range(n_blocks)
+        )
+        self.blocks[1].ln.weight.requires_grad_(False)  # frozen, inside a unit
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(idx)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build(device: torch.device, seed: int = 0, **kwargs) -> tuple[TinyLM, TinyLM]:
+    """(model to shard, replicated reference copy), identical on every rank."""
+    torch.manual_seed(seed)
+    model = TinyLM(**kwargs).to(device)
+    return model, copy.deepcopy(model)
+
+
+def shard(model: TinyLM, **kwargs) -> TinyLM:
+    for block in model.blocks:
+        fsdp_graph.fully_shard(block, **kwargs)
+    return fsdp_graph.fully_shard(model, **kwargs)
+
+
+def global_batch(step: int, world_size: int, device: torch.device, per_rank: int = 2, seq: int = 8,
+                 vocab: int = 37) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, vocab, (per_rank * world_size, seq), generator=g)
+    targets = torch.randint(0, vocab, (per_rank * world_size, seq), generator=g)
+    return idx.to(device), targets.to(device)
+
+
+def local_part(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return tensor.chunk(world_size)[rank]
