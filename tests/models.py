@@ -38,7 +38,7 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(
             Block(d, hidden * (4 if i == big_block else 1)) for i in range(n_blocks)
         )
-        self.blocks[1].ln.weight.requires_grad_(False)  # frozen, inside a unit
+        self.blocks[min(1, n_blocks - 1)].ln.weight.requires_grad_(False)  # frozen, inside a unit
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight
