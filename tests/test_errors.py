@@ -1,0 +1,110 @@
+"""Every mistake a user can make at set-up gets an error that names the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_graph
+from models import build, global_batch, lm_loss, shard
+
+CPU = torch.device("cpu")
+
+
+def test_child_after_root_is_refused():
+    model, _ = build(CPU)
+    fsdp_graph.fully_shard(model)
+    with pytest.raises(ValueError, match=r"called after fully_shard on the enclosing module.*bottom-up"):
+        fsdp_graph.fully_shard(model.blocks[0])
+
+
+def test_sharding_twice_is_refused():
+    model, _ = build(CPU)
+    shard(model)
+    with pytest.raises(ValueError, match="already sharded"):
+        fsdp_graph.fully_shard(model.blocks[0])
+
+
+def test_mixed_dtypes_need_a_param_dtype():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float64))
+    with pytest.raises(TypeError, match=r"mixed dtypes.*'0.weight' is torch.float32.*MixedPrecision\(param_dtype="):
+        fsdp_graph.fully_shard(model)
+    ok = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float64))
+    fsdp_graph.fully_shard(ok, mp_policy=fsdp_graph.MixedPrecision(param_dtype=torch.float32))
+    assert ok(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_integer_parameters_are_refused():
+    module = nn.Linear(2, 2)
+    module.steps = nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(TypeError, match="'steps' has dtype torch.int64.*buffer"):
+        fsdp_graph.fully_shard(module)
+
+
+def test_world_size_above_one_without_process_group(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"no process group is initialised.*init_distributed"):
+        fsdp_graph.fully_shard(nn.Linear(2, 2))
+
+
+def test_replaced_parameter_is_detected_at_forward():
+    model, _ = build(CPU)
+    shard(model)
+    model.blocks[0].fc.weight = nn.Parameter(torch.zeros(23, 10))
+    idx, targets = global_batch(0, 1, CPU)
+    with pytest.raises(RuntimeError, match=r"'fc.weight' was replaced after fully_shard.*load_full_state_dict"):
+        lm_loss(model, idx, targets)
+
+
+def test_reassigned_data_is_detected_at_forward():
+    model, _ = build(CPU)
+    shard(model)
+    model.blocks[2].out.bias.data = torch.zeros_like(model.blocks[2].out.bias)
+    idx, targets = global_batch(0, 1, CPU)
+    with pytest.raises(RuntimeError, match="'out.bias' was replaced after fully_shard"):
+        lm_loss(model, idx, targets)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        fsdp_graph.fully_shard(torch.zeros(2))
+    with pytest.raises(TypeError, match="MixedPrecision"):
+        fsdp_graph.fully_shard(nn.Linear(2, 2), mp_policy={"param_dtype": torch.bfloat16})
+    with pytest.raises(TypeError, match="floating torch.dtype"):
+        fsdp_graph.MixedPrecision(param_dtype=torch.int32)
+
+
+def test_state_dict_during_forward_is_refused():
+    model, _ = build(CPU)
+    shard(model)
+    model.blocks[0].register_forward_hook(lambda m, a, o: fsdp_graph.full_state_dict(model))
+    idx, targets = global_batch(0, 1, CPU)
+    with pytest.raises(fsdp_graph.TransitionError, match="outside forward/backward"):
+        lm_loss(model, idx, targets)
+
+
+def test_meta_parameters_are_refused():
+    with torch.device("meta"):
+        module = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="meta device.*to_empty"):
+        fsdp_graph.fully_shard(module)
+
+
+def test_init_distributed_without_launcher_is_world_size_one(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    info = fsdp_graph.init_distributed()
+    assert (info.rank, info.world_size, info.local_rank) == (0, 1, 0)
+    assert info.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert not torch.distributed.is_initialized()
+    assert fsdp_graph.init_distributed() == info  # idempotent
+
+
+def test_init_distributed_names_the_launcher_when_rendezvous_is_missing(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RuntimeError, match="MASTER_ADDR, MASTER_PORT not set.*torchrun"):
+        fsdp_graph.init_distributed()

@@ -1,0 +1,65 @@
+"""GPU-only checks (skipped without CUDA). The rest of the suite also runs on NCCL when there
+are enough GPUs: these cover what only a GPU can show."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp_graph
+from dist_harness import run_ranks
+from fsdp_graph.root import RootContext
+from fsdp_graph.unit import FSDPUnit
+from models import build, global_batch, lm_loss, local_part, shard
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+STEPS = ("pre_forward", "post_forward", "pre_backward", "post_backward")
+
+
+def _count_allocations(owner: type, names, counts: dict) -> dict:
+    originals = {}
+    for name in names:
+        original = getattr(owner, name)
+        originals[name] = original
+
+        def counted(self, _original=original, _name=name):
+            before = torch.cuda.memory_stats()["allocation.all.allocated"]
+            result = _original(self)
+            counts[_name] = counts.get(_name, 0) + torch.cuda.memory_stats()["allocation.all.allocated"] - before
+            return result
+
+        setattr(owner, name, counted)
+    return originals
+
+
+def _steady_state_allocations(info, mp_policy) -> None:
+    model, _ = build(info.device, d=64, hidden=256, n_blocks=4, big_block=3)
+    shard(model, mp_policy=mp_policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    counts: dict = {}
+    unit_originals = _count_allocations(FSDPUnit, STEPS, counts)
+    root_originals = _count_allocations(RootContext, ("end_backward",), counts)
+    try:
+        for step in range(6):
+            if step == 3:
+                counts.clear()  # warm-up done: slots, dedicated buffers, optimizer state exist
+            idx, targets = global_batch(step, info.world_size, info.device)
+            loss = lm_loss(model, local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size))
+            loss.backward()
+            fsdp_graph.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)  # both ways of zeroing keep the same buffers
+        torch.cuda.synchronize()
+    finally:
+        for name, original in unit_originals.items():
+            setattr(FSDPUnit, name, original)
+        setattr(RootContext, "end_backward", root_originals["end_backward"])
+    assert set(counts) == set(STEPS) | {"end_backward"}, counts
+    assert all(v == 0 for v in counts.values()), f"allocations inside hooks in steady state: {counts}"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_steady_state_step_allocates_nothing_in_hooks(dtype):
+    policy = None if dtype == "fp32" else fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    run_ranks(_steady_state_allocations, min(2, torch.cuda.device_count()), policy)
