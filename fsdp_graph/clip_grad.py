@@ -17,7 +17,7 @@ def _reduce_norms(grads: list[torch.Tensor], p: float) -> torch.Tensor | None:
     grads = [g for g in grads if g.numel() > 0]
     if not grads:
         return None
-    norms = torch.stack([torch.linalg.vector_norm(g, p, dtype=torch.float32) for g in grads])
+    norms = torch.stack(torch._foreach_norm(grads, p)).float()  # one fused kernel, not one per tensor
     return norms.max() if math.isinf(p) else norms.pow(p).sum()
 
 

@@ -78,3 +78,9 @@ def global_batch(step: int, world_size: int, device: torch.device, per_rank: int
 
 def local_part(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return tensor.chunk(world_size)[rank]
+
+
+def local_loss(model: nn.Module, step: int, info) -> torch.Tensor:
+    """This rank's loss on its slice of step ``step``'s global batch."""
+    idx, targets = global_batch(step, info.world_size, info.device)
+    return lm_loss(model, local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size))

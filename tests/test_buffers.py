@@ -8,7 +8,7 @@ import torch
 from dist_harness import run_ranks
 from fsdp_graph.buffers import Placement
 from fsdp_graph.flat_layout import ALIGN_NUMEL, FlatLayout
-from models import build, global_batch, lm_loss, local_part, shard
+from models import build, local_loss, shard
 
 
 def _addresses_per_iteration(model, info, iterations: int = 3) -> list[dict]:
@@ -27,8 +27,7 @@ def _addresses_per_iteration(model, info, iterations: int = 3) -> list[dict]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(iterations):
         seen.append({})
-        idx, targets = global_batch(step, info.world_size, info.device)
-        lm_loss(model, local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size)).backward()
+        local_loss(model, step, info).backward()
         for unit in units:
             seen[-1][unit.name]["grads"] = tuple(
                 p.grad.data_ptr() if p.grad is not None else None for p in unit._unsharded
@@ -88,8 +87,7 @@ def test_unsharded_params_and_grads_keep_their_addresses(big_block, persist):
 def _dynamic_without_double_buffer(info) -> None:
     model, _ = build(info.device)
     shard(model, double_buffer=False)
-    idx, targets = global_batch(0, info.world_size, info.device)
-    lm_loss(model, local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size)).backward()
+    local_loss(model, 0, info).backward()
     assert {u.placement for u in model.fsdp_unit.subtree_units} == {Placement.DYNAMIC}  # decided at lazy init
     assert all(u._buffers is None for u in model.fsdp_unit.subtree_units), "dynamic buffers are dropped at reshard"
 

@@ -10,7 +10,7 @@ import fsdp_graph
 from dist_harness import run_ranks
 from fsdp_graph.root import RootContext
 from fsdp_graph.unit import FSDPUnit
-from models import build, global_batch, lm_loss, local_part, shard
+from models import build, local_loss, shard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -44,8 +44,7 @@ def _steady_state_allocations(info, mp_policy) -> None:
         for step in range(6):
             if step == 3:
                 counts.clear()  # warm-up done: slots, dedicated buffers, optimizer state exist
-            idx, targets = global_batch(step, info.world_size, info.device)
-            loss = lm_loss(model, local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size))
+            loss = local_loss(model, step, info)
             loss.backward()
             fsdp_graph.clip_grad_norm_(model, 1.0)
             opt.step()

@@ -15,7 +15,7 @@ from fsdp_graph.hooks import (
     pre_forward_unshard,
 )
 from fsdp_graph.unit import FSDPUnit
-from models import build, global_batch, lm_loss, local_part, shard
+from models import build, global_batch, lm_loss, local_loss, shard
 
 
 def _trace_unit_steps(log: list):
@@ -40,8 +40,7 @@ def _hook_order(info) -> None:
     try:
         for step in range(2):  # the second iteration runs with prefetching
             log.clear()
-            idx, targets = global_batch(step, info.world_size, info.device)
-            loss = lm_loss(model, local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size))
+            loss = local_loss(model, step, info)
             loss.backward()
             assert log == [
                 ("<root>", "pre_forward"),
@@ -71,8 +70,7 @@ def _prefetch(info) -> None:
     seen = []
     model.blocks[1].register_forward_pre_hook(lambda m, a: seen.append(("fwd", block1._prefetched)), prepend=True)
     for step in range(2):
-        idx, targets = global_batch(step, info.world_size, info.device)
-        lm_loss(model, local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size)).backward()
+        local_loss(model, step, info).backward()
     assert seen == [("fwd", False), ("fwd", True)], seen
     ctx = model.fsdp_unit.root_ctx
     assert [u.name.split(" ")[0] for u in ctx.backward_order] == ["<root>", "blocks.2", "blocks.1", "blocks.0"]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import fsdp_graph
 from dist_harness import run_ranks
-from models import build, global_batch, lm_loss, local_part, shard
+from models import build, global_batch, lm_loss, local_loss, shard
 
 STEPS = 4
 
@@ -40,7 +40,7 @@ def _train_and_compare(info, opt_kind: str, mp_policy, rtol: float, atol: float,
     ref_dtype = mp_policy.param_dtype if mp_policy and mp_policy.param_dtype else torch.float32
     for step in range(STEPS):
         idx, targets = global_batch(step, info.world_size, info.device)
-        loss = lm_loss(model, local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size))
+        loss = local_loss(model, step, info)
         loss.backward()
         with torch.autocast(info.device.type, dtype=ref_dtype, enabled=ref_dtype != torch.float32):
             ref_loss = lm_loss(ref, idx, targets)
@@ -91,9 +91,8 @@ def _tied_across_units(info) -> None:
     assert not model.emb.fsdp_unit.params and not model.head.fsdp_unit.params
     opt, ref_opt = _optimizers("sgd", model, ref)
     for step in range(2):
-        idx, targets = global_batch(step, info.world_size, info.device)
-        lm_loss(model, local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size)).backward()
-        lm_loss(ref, idx, targets).backward()
+        local_loss(model, step, info).backward()
+        lm_loss(ref, *global_batch(step, info.world_size, info.device)).backward()
         opt.step()
         ref_opt.step()
         opt.zero_grad()

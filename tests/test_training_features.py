@@ -7,7 +7,7 @@ import torch
 
 import fsdp_graph
 from dist_harness import run_ranks
-from models import TinyLM, build, global_batch, lm_loss, local_part, shard
+from models import TinyLM, build, global_batch, lm_loss, local_loss, local_part, shard
 
 
 def _accumulation(info, api: str) -> None:
@@ -57,9 +57,8 @@ def test_accumulating_two_micro_batches_equals_one_double_batch(api):
 def _clip(info, norm_type: float) -> None:
     model, ref = build(info.device)
     shard(model)
-    idx, targets = global_batch(0, info.world_size, info.device)
-    lm_loss(model, local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size)).backward()
-    lm_loss(ref, idx, targets).backward()
+    local_loss(model, 0, info).backward()
+    lm_loss(ref, *global_batch(0, info.world_size, info.device)).backward()
     norm = fsdp_graph.clip_grad_norm_(model, 0.5, norm_type=norm_type)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, norm_type=norm_type)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
@@ -94,9 +93,7 @@ def _state_dict_round_trip(info) -> None:
     for key in full:
         assert torch.equal(reloaded[key], full[key]), key
     # loaded weights train like the original
-    idx, targets = global_batch(0, info.world_size, info.device)
-    mine = local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size)
-    assert torch.equal(lm_loss(model, *mine), lm_loss(other, *mine))
+    assert torch.equal(local_loss(model, 0, info), local_loss(other, 0, info))
 
     bad = dict(full)
     del bad["ln_f.bias"]
