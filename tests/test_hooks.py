@@ -63,15 +63,17 @@ def test_hooks_run_in_unit_order():
 
 
 def _prefetch(info) -> None:
-    """From the second iteration on, the next unit's all-gather is issued before it runs."""
+    """From the second iteration on, the next unit's all-gather is enqueued before the current
+    unit's compute is launched (so on GPU it overlaps that compute, on its own stream)."""
     model, _ = build(info.device, n_blocks=3)
     shard(model)
     block1 = model.blocks[1].fsdp_unit
     seen = []
-    model.blocks[1].register_forward_pre_hook(lambda m, a: seen.append(("fwd", block1._prefetched)), prepend=True)
+    # appended, so it runs after FSDP's (prepended) hooks, right before blocks[0].forward
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(block1._prefetched))
     for step in range(2):
         local_loss(model, step, info).backward()
-    assert seen == [("fwd", False), ("fwd", True)], seen
+    assert seen == [False, True], seen
     ctx = model.fsdp_unit.root_ctx
     assert [u.name.split(" ")[0] for u in ctx.backward_order] == ["<root>", "blocks.2", "blocks.1", "blocks.0"]
     if info.device.type == "cuda":
