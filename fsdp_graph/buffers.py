@@ -64,6 +64,7 @@ class FlatBuffers:
     param_owner: FSDPUnit | None = field(default=None, repr=False)
 
     @classmethod
+    @torch.inference_mode(False)  # persistent buffers must outlive an inference-mode first call
     def allocate(
         cls,
         numel: int,
@@ -128,7 +129,7 @@ def plan_placements(units: list[FSDPUnit]) -> dict[FSDPUnit, tuple[Placement, Sl
         pool = pools.get(unit.buffer_key)
         if not unit.config.double_buffer:
             plan[unit] = (Placement.DYNAMIC, None)
-        elif pool is not None and unit not in units_with_children and unit.layout.padded_numel <= pool.numel:
+        elif pool is not None and unit not in units_with_children and 0 < unit.layout.padded_numel <= pool.numel:
             plan[unit] = (Placement.SLOT, pool)
         elif unit.config.persist_buffer_on_alloc_fail:
             plan[unit] = (Placement.DEDICATED, None)

@@ -22,7 +22,7 @@ import torch.nn as nn
 from .distributed import resolve_group
 from .hooks import UNIT_ATTR, register_unit_hooks, unit_of
 from .mixed_precision import MixedPrecision
-from .unit import MASTER_TAG, REPLACED_TAG, FSDPUnit, UnitConfig
+from .unit import FSDPUnit, UnitConfig, master_owner, replaced_by
 
 _ENCLOSING_ATTR = "_fsdp_enclosing_unit"  # on every module inside a unit's subtree
 _HOOKS_ATTR = "_fsdp_hook_handles"
@@ -92,17 +92,6 @@ def _param_refs(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Mod
     return list(refs.values())
 
 
-def _is_master(param: nn.Parameter) -> bool:
-    return getattr(param, MASTER_TAG, False)
-
-
-def _replaced_by(param: nn.Parameter) -> FSDPUnit | None:
-    """The live unit that already sharded this (original) parameter: it is tied across units."""
-    ref = getattr(param, REPLACED_TAG, None)
-    unit = ref() if ref is not None else None
-    return unit if unit is not None and unit.module.__dict__.get(UNIT_ATTR) is unit else None
-
-
 def _choose_device(module: nn.Module, group: dist.ProcessGroup | None) -> torch.device:
     if group is not None and "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
@@ -136,7 +125,16 @@ def _build_unit(
     inside = {id(m) for m in module.modules()}
     owned = []
     for param, places in refs:
-        if _is_master(param) or _replaced_by(param) or not all(id(m) in inside for m, _, _ in places):
+        if not any(id(m) in inside for m, _, _ in places):
+            continue
+        owner = master_owner(param)
+        if owner is not None and id(owner.module) not in inside:
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): submodule '{places[0][2].rsplit('.', 1)[0]}' is "
+                f"shared with unit {owner.name}, which already owns its parameters. A parameter can "
+                "belong to one unit only: fully_shard their common ancestor instead of each of them."
+            )
+        if owner is not None or replaced_by(param) or not all(id(m) in inside for m, _, _ in places):
             continue
         prefix = next((name for name, m in module.named_modules() if m is places[0][0]), "")
         name = f"{prefix}.{places[0][1]}" if prefix else places[0][1]
@@ -231,7 +229,7 @@ def fully_shard(
     inner = units_in(module)
     crossing = []
     for param, _ in refs:
-        unit = _replaced_by(param)
+        unit = replaced_by(param)
         if unit is not None and unit in inner and unit not in crossing:
             crossing.append(unit)
     for unit in crossing:

@@ -10,7 +10,8 @@ hook                           kind            does
                                                a ``MixedPrecision.param_dtype``)
 ``install_post_backward``      forward-pre     wrap the inputs in an autograd function whose
                                                backward calls ``post_backward_handler``
-``post_forward_reshard``       forward         reshard (mark the buffer free)
+``post_forward_reshard``       forward         reshard (mark the buffer free); ``always_call``, so
+                                               a forward that raises still puts the masters back
 ``install_pre_backward``       forward         register grad hooks on the outputs that call
                                                ``pre_backward_handler`` (and queue the root's
                                                end-of-backward step)
@@ -103,7 +104,10 @@ def install_post_backward(module: nn.Module, args: tuple, kwargs: dict):
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
-        return None  # the root's end-of-backward step runs this unit's post-backward instead
+        # Nothing to hang the trigger on (e.g. token ids): finish once the parameters' gradients
+        # are accumulated, or at the root's end-of-backward step for parameters that get none.
+        unit_of(module).post_backward_from_param_grads()
+        return None
     wrapped = _PostBackwardTrigger.apply(module, *(flat[i] for i in positions))
     for i, tensor in zip(positions, wrapped):
         flat[i] = tensor
@@ -152,7 +156,7 @@ def register_unit_hooks(module: nn.Module) -> list:
         handles.append(module.register_forward_pre_hook(cast_forward_inputs, with_kwargs=True, prepend=True))
     handles += [
         module.register_forward_pre_hook(pre_forward_unshard, with_kwargs=True, prepend=True),
-        module.register_forward_hook(post_forward_reshard),
+        module.register_forward_hook(post_forward_reshard, always_call=True),  # also when forward raises
         module.register_forward_hook(install_pre_backward),
     ]
     return handles

@@ -47,9 +47,13 @@ class CommStreams:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
-    def wait_for_reduces(self) -> None:
-        if self.reduce is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.reduce)
+    def wait_for_all(self) -> None:
+        """Compute stream waits for every collective: nothing in flight may race the optimizer
+        (a prefetch that was never consumed still reads the master shard)."""
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.all_gather)
+            current.wait_stream(self.reduce)
 
 
 class RootContext:
@@ -78,6 +82,7 @@ class RootContext:
             self._next_forward = dict(zip(self.forward_order, self.forward_order[1:]))
         for unit in self.units:
             unit.clear_prefetch()
+        self.streams.wait_for_all()
 
     def end_backward(self) -> None:
         """Run post-backward for units autograd did not reach (e.g. the root, whose inputs need
@@ -88,7 +93,7 @@ class RootContext:
                 unit.post_backward()
         if self._next_backward is None and self.backward_order:
             self._next_backward = dict(zip(self.backward_order, self.backward_order[1:]))
-        self.streams.wait_for_reduces()
+        self.streams.wait_for_all()
 
     # -- execution order for prefetching --------------------------------------------------
     def record_forward(self, unit: FSDPUnit) -> None:

@@ -39,8 +39,29 @@ from .mixed_precision import MixedPrecision
 from .root import CommStreams, RootContext
 from .training_state import TrainingState, TransitionError, check_transition
 
-MASTER_TAG = "_fsdp_graph_master"  # set on every sharded master parameter
+MASTER_TAG = "_fsdp_graph_master_of"  # on every sharded master parameter: weakref to its unit
 REPLACED_TAG = "_fsdp_graph_replaced_by"  # on an original parameter: weakref to the unit that sharded it
+
+
+def _live_unit(param: nn.Parameter, tag: str) -> "FSDPUnit | None":
+    ref = getattr(param, tag, None)
+    unit = ref() if ref is not None else None
+    return unit if unit is not None and unit.module.__dict__.get("_fsdp_unit") is unit else None
+
+
+def master_owner(param: nn.Parameter) -> "FSDPUnit | None":
+    """The unit whose sharded master ``param`` is (None for ordinary parameters)."""
+    return _live_unit(param, MASTER_TAG)
+
+
+def replaced_by(param: nn.Parameter) -> "FSDPUnit | None":
+    """The unit that already sharded this original parameter: it is tied across units."""
+    return _live_unit(param, REPLACED_TAG)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread right now."""
+    return torch._C._current_graph_task_id() != -1
 
 
 @dataclass(frozen=True)
@@ -107,7 +128,7 @@ class FSDPUnit:
             ):
                 piece.copy_(original.detach().reshape(-1)[span.piece_start : span.piece_start + span.piece_numel])
                 mp.master = nn.Parameter(piece, requires_grad=mp.requires_grad)
-                setattr(mp.master, MASTER_TAG, True)
+                setattr(mp.master, MASTER_TAG, weakref.ref(self))
                 setattr(original, REPLACED_TAG, weakref.ref(self))
                 mp.master_ptr = mp.master.data_ptr()
         self._trainable = [i for i, mp in enumerate(self.params) if mp.requires_grad]
@@ -121,6 +142,10 @@ class FSDPUnit:
         self.root_ctx: RootContext | None = None
         self.placement: Placement | None = None
         self._pool: SlotPool | None = None
+        self._unsharded: list[nn.Parameter] = []  # created at the first bind, then the same objects forever
+        self._grad_hooked: set[int] = set()
+        self._post_backward_from_params = False  # inputs need no grad: finish when all grads accumulated
+        self._grads_accumulated = 0
         self._unbind()
         self._accum: GradBuffer | None = None
         self._accum_views: list[torch.Tensor] = []
@@ -162,27 +187,55 @@ class FSDPUnit:
     def bind_root(self, ctx: RootContext, placement: Placement, pool: SlotPool | None) -> None:
         self.root_ctx, self.placement, self._pool = ctx, placement, pool
         self._unbind()
-        if placement is Placement.DEDICATED:
+        if placement is not Placement.SLOT:
             self._bind(self._allocate())
+        if placement is Placement.DYNAMIC:
+            self._free_dynamic()
 
     def _allocate(self) -> FlatBuffers:
         n = self.layout.padded_numel
         return FlatBuffers.allocate(n, n // self.world_size, self.compute_dtype, self.reduce_dtype, self.device)
 
+    @torch.inference_mode(False)  # a first call under inference_mode must not make inference tensors
     def _bind(self, buffers: FlatBuffers) -> None:
+        """Point the unit at ``buffers`` (once per placement). The unsharded parameters are
+        created once; a re-plan at a later lazy init only re-points them (``.data``)."""
         n = self.layout.padded_numel
         self._buffers = buffers
         self._param_flat = buffers.params[:n]
-        self._unsharded = [
-            nn.Parameter(view, requires_grad=mp.requires_grad)
-            for view, mp in zip(self.layout.param_views(_alias(self._param_flat)), self.params)
-        ]
+        views = self.layout.param_views(_alias(self._param_flat))
+        if not self._unsharded:
+            self._unsharded = [nn.Parameter(v, requires_grad=mp.requires_grad) for v, mp in zip(views, self.params)]
+            self._hook_grad_accumulation()
+        else:
+            for param, view in zip(self._unsharded, views):
+                param.data = view
         self._grad_views = self.layout.param_views(buffers.grads.tensor[:n])
+
+    def _dynamic_storages(self):
+        b, streams = self._buffers, self.root_ctx.streams
+        pairs = ((b.params, streams.all_gather), (b.grads.tensor, streams.reduce),
+                 (b.reduce_in, streams.reduce), (b.reduce_out, streams.reduce))
+        return [(t, stream) for t, stream in pairs if t is not None]
+
+    def _free_dynamic(self) -> None:
+        """Dynamic placement, at reshard: give the memory back. The storage objects stay, so every
+        view of them (the unsharded parameters, views autograd saved) sees the memory again when
+        ``_regrow_dynamic`` reallocates it (possibly at another address), as FSDP2 does."""
+        for tensor, stream in self._dynamic_storages():
+            if stream is not None:
+                tensor.record_stream(stream)
+            tensor.untyped_storage().resize_(0)
+
+    def _regrow_dynamic(self) -> None:
+        for tensor, _ in self._dynamic_storages():
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(tensor.numel() * tensor.element_size())
 
     def _unbind(self) -> None:
         self._buffers: FlatBuffers | None = None
         self._param_flat: torch.Tensor | None = None
-        self._unsharded: list[nn.Parameter] = []
         self._grad_views: list[torch.Tensor] = []
         self._gathered = False  # the buffer holds this unit's current parameters (maybe in flight)
         self._prefetched = False  # gathered ahead of use in this pass, not yet consumed
@@ -192,7 +245,7 @@ class FSDPUnit:
     def _acquire(self, prefetch: bool) -> bool:
         """Own a buffer for the unsharded parameters; False when a prefetch finds it busy."""
         if self.placement is Placement.DYNAMIC:
-            self._bind(self._allocate())
+            self._regrow_dynamic()
             return True
         if self._buffers is None:
             self._bind(self._pool.assign())
@@ -260,20 +313,53 @@ class FSDPUnit:
         """Reshard: the masters go back into the modules; the buffer is free for the next unit."""
         self._use_masters()
         if self.placement is Placement.DYNAMIC:
-            self._unbind()
+            self._free_dynamic()
+            self._gathered = self._prefetched = False
+
+    def _sync_requires_grad(self) -> None:
+        """Follow ``requires_grad`` changes made on the sharded parameters after fully_shard."""
+        changed = False
+        for mp, unsharded in zip(self.params, self._unsharded):
+            if mp.master.requires_grad != mp.requires_grad:
+                mp.requires_grad = mp.master.requires_grad
+                unsharded.requires_grad_(mp.requires_grad)
+                changed = True
+        if changed:
+            self._trainable = [i for i, mp in enumerate(self.params) if mp.requires_grad]
+            self._hook_grad_accumulation()
+
+    def _hook_grad_accumulation(self) -> None:
+        for i in self._trainable:
+            if i not in self._grad_hooked:
+                self._unsharded[i].register_post_accumulate_grad_hook(self._on_grad_accumulated)
+                self._grad_hooked.add(i)
+
+    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        """For a unit whose inputs need no gradient (nothing to hang a post-backward on): run
+        post-backward once every trainable parameter's gradient has been accumulated."""
+        if not self._post_backward_from_params or self.state is not TrainingState.BACKWARD:
+            return
+        self._grads_accumulated += 1
+        if self._grads_accumulated == len(self._trainable):
+            self.post_backward()
+
+    def post_backward_from_param_grads(self) -> None:
+        """Called at forward time when no input requires grad (see ``_on_grad_accumulated``)."""
+        self._post_backward_from_params = True
 
     # -- the four hook steps --------------------------------------------------------------
     def pre_forward(self) -> None:
+        ctx = self._ensure_root_ctx()
+        if self is ctx.root and not _in_backward():
+            ctx.begin_forward()  # a new iteration (also recovers units an exception left mid-step)
         if self.state is TrainingState.BACKWARD:
             return  # activation-checkpoint recompute: pre_backward already unsharded us
         check_transition(self.name, "pre_forward", self.state, (TrainingState.IDLE,))
-        ctx = self._ensure_root_ctx()
-        if self is ctx.root:
-            ctx.begin_forward()
         ctx.record_forward(self)
         if not self._prefetched:
             self._issue_unshard()
         self._prefetched = False
+        self._sync_requires_grad()
         self._use_unsharded()
         self.state = TrainingState.FORWARD
         following = ctx.next_forward(self)
@@ -315,10 +401,7 @@ class FSDPUnit:
             else:
                 self._accum_pending = True
         self._grad_target = None
-        if self.placement is Placement.DYNAMIC and self.root_ctx.streams.reduce is not None:
-            for t in (self._buffers.grads.tensor, self._buffers.reduce_in, self._buffers.reduce_out):
-                if t is not None:
-                    t.record_stream(self.root_ctx.streams.reduce)
+        self._post_backward_from_params = False
         self._release()
         self._gathered = False
         self.state = TrainingState.IDLE
@@ -330,7 +413,8 @@ class FSDPUnit:
         accumulate = not self.requires_gradient_sync or self._accum_pending
         if accumulate:
             if self._accum is None:
-                tensor = torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+                with torch.inference_mode(False):
+                    tensor = torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
                 self._accum = GradBuffer(tensor)
                 self._accum_views = self.layout.param_views(tensor)
             target, views = self._accum, self._accum_views
@@ -342,6 +426,7 @@ class FSDPUnit:
         for i in self._trainable:
             self._unsharded[i].grad = views[i]
         self._grad_target = target
+        self._grads_accumulated = 0
 
     def _reduce(self, target: GradBuffer) -> None:
         n, buffers, streams = self.layout.padded_numel, self._buffers, self.root_ctx.streams
@@ -388,7 +473,7 @@ class FSDPUnit:
         if self.state is not TrainingState.IDLE:
             self._use_masters()
             self._grad_target = None
-            self._gathered = self._prefetched = False
+            self._gathered = self._prefetched = self._post_backward_from_params = False
             self.state = TrainingState.IDLE
 
     def clear_prefetch(self) -> None:

@@ -89,7 +89,9 @@ def _dynamic_without_double_buffer(info) -> None:
     shard(model, double_buffer=False)
     local_loss(model, 0, info).backward()
     assert {u.placement for u in model.fsdp_unit.subtree_units} == {Placement.DYNAMIC}  # decided at lazy init
-    assert all(u._buffers is None for u in model.fsdp_unit.subtree_units), "dynamic buffers are dropped at reshard"
+    for unit in model.fsdp_unit.subtree_units:
+        assert unit._buffers.params.untyped_storage().nbytes() == 0, f"{unit.name}: memory not freed at reshard"
+        assert unit._buffers.grads.tensor.untyped_storage().nbytes() == 0, unit.name
 
 
 def test_double_buffer_false_allocates_per_unshard():

@@ -32,10 +32,11 @@ def _mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return value / dist.get_world_size()
 
 
-def _train_and_compare(info, opt_kind: str, mp_policy, rtol: float, atol: float, model_kwargs: dict) -> None:
+def _train_and_compare(info, opt_kind: str, mp_policy, rtol: float, atol: float, model_kwargs: dict,
+                       shard_kwargs: dict | None = None) -> None:
     model, ref = build(info.device, **model_kwargs)
     frozen_before = ref.blocks[1].ln.weight.detach().clone()
-    shard(model, mp_policy=mp_policy)
+    shard(model, mp_policy=mp_policy, **(shard_kwargs or {}))
     opt, ref_opt = _optimizers(opt_kind, model, ref)
     ref_dtype = mp_policy.param_dtype if mp_policy and mp_policy.param_dtype else torch.float32
     for step in range(STEPS):
@@ -75,8 +76,15 @@ def test_bf16_compute_fp32_reduce_matches_reference_at_bf16_tolerance():
     run_ranks(_train_and_compare, 2, "adamw", policy, 2e-2, 2e-2, {})
 
 
-def test_parity_with_a_block_that_does_not_fit_the_slot():
-    run_ranks(_train_and_compare, 2, "adamw", None, 1e-5, 1e-6, {"big_block": 2})
+@pytest.mark.parametrize("persist", [True, False])
+def test_parity_with_a_block_that_does_not_fit_the_slot(persist):
+    run_ranks(_train_and_compare, 2, "adamw", None, 1e-5, 1e-6, {"big_block": 2},
+              {"persist_buffer_on_alloc_fail": persist})
+
+
+def test_parity_without_double_buffer():
+    """FSDP2-like dynamic buffers: freed at reshard, re-allocated at the next unshard."""
+    run_ranks(_train_and_compare, 2, "adamw", None, 1e-5, 1e-6, {}, {"double_buffer": False})
 
 
 def _tied_across_units(info) -> None:

@@ -1,0 +1,133 @@
+"""Situations real training runs hit: exceptions mid-step, inference first, freezing after
+sharding, units whose inputs need no gradient, and structures fully_shard must refuse."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_graph
+from dist_harness import run_ranks
+from models import build, global_batch, lm_loss, shard
+
+CPU = torch.device("cpu")
+
+
+def _optimizers(model, ref, lr=0.1):
+    return torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
+
+
+def _assert_matches_reference(model, ref, steps=2, optimizers=None) -> None:
+    opt, ref_opt = optimizers or _optimizers(model, ref)
+    for step in range(steps):
+        idx, targets = global_batch(step, 1, CPU)
+        loss, ref_loss = lm_loss(model, idx, targets), lm_loss(ref, idx, targets)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+        loss.backward()
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full = fsdp_graph.full_state_dict(model)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+def test_training_continues_after_an_exception_in_forward():
+    model, ref = build(CPU)
+    shard(model)
+    bad = torch.full((2, 8), 999)  # out-of-range token ids
+    with pytest.raises(IndexError):
+        model(bad)
+    holders = [(m, a, mp.master) for u in model.fsdp_unit.subtree_units for mp in u.params for m, a in mp.refs]
+    assert len(holders) > 20 and all(m._parameters[a] is master for m, a, master in holders)
+    _assert_matches_reference(model, ref)  # optimizer built after the failure sees the masters
+
+
+def test_training_continues_after_an_exception_in_backward():
+    model, ref = build(CPU)
+    shard(model)
+    optimizers = _optimizers(model, ref)
+    idx, targets = global_batch(0, 1, CPU)
+    logits = model(idx)
+
+    def fail(grad):
+        raise RuntimeError("boom")
+
+    logits.register_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    for o in optimizers:
+        o.zero_grad()  # the failed step is skipped
+    _assert_matches_reference(model, ref, optimizers=optimizers)
+
+
+def test_first_call_under_inference_mode_then_training():
+    model, ref = build(CPU)
+    shard(model)
+    idx, _ = global_batch(0, 1, CPU)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(idx), ref(idx), rtol=1e-6, atol=1e-7)
+    _assert_matches_reference(model, ref)
+
+
+def test_freezing_and_unfreezing_after_sharding():
+    model, ref = build(CPU)
+    shard(model)
+    model.blocks[0].fc.weight.requires_grad_(False)
+    ref.blocks[0].fc.weight.requires_grad_(False)
+    model.blocks[1].ln.weight.requires_grad_(True)  # frozen at construction
+    ref.blocks[1].ln.weight.requires_grad_(True)
+    _assert_matches_reference(model, ref)
+    assert model.blocks[0].fc.weight.grad is None
+
+
+class Towers(nn.Module):
+    """Two towers fed raw inputs: the first unit of each has inputs that need no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))
+        self.b = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))
+
+    def forward(self, x, y):
+        return (self.a(x) * self.b(y)).sum()
+
+
+def _towers(info) -> None:
+    torch.manual_seed(0)
+    model = Towers().to(info.device)
+    ref = copy.deepcopy(model)
+    for tower in (model.a, model.b):
+        for layer in tower:
+            fsdp_graph.fully_shard(layer)
+    fsdp_graph.fully_shard(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = (torch.randn(4 * info.world_size, 6, generator=g).to(info.device) for _ in range(2))
+        mine = slice(4 * info.rank, 4 * (info.rank + 1))
+        loss = model(x[mine], y[mine])
+        loss.backward()
+        (ref(x, y) / info.world_size).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full = fsdp_graph.full_state_dict(model)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+def test_units_whose_inputs_need_no_gradient_release_their_slot():
+    run_ranks(_towers, 2)
+
+
+def test_submodule_shared_by_two_units_is_refused():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), nn.Sequential(shared, nn.Tanh()))
+    fsdp_graph.fully_shard(model[0])
+    with pytest.raises(ValueError, match=r"submodule '0' is shared with unit .*common ancestor"):
+        fsdp_graph.fully_shard(model[1])
