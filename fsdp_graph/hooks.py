@@ -31,6 +31,8 @@ around the forward capture. The unit's training state checks that the order is l
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -75,7 +77,10 @@ def cast_forward_inputs(module: nn.Module, args: tuple, kwargs: dict):
 
 
 def post_forward_reshard(module: nn.Module, args: tuple, output) -> None:
-    unit_of(module).post_forward()
+    unit = unit_of(module)
+    if unit.state is TrainingState.IDLE and sys.exc_info()[1] is not None:
+        return  # always_call after pre_forward itself raised: nothing was unsharded
+    unit.post_forward()
 
 
 # -- wrapper hooks (carry sentinels) -------------------------------------------------------
