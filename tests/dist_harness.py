@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -52,16 +53,22 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str
 
     import fsdp_graph
 
+    code = 0
     try:
         info = fsdp_graph.init_distributed(backend)
         fn(info, *args)
         dist.barrier()
     except BaseException:
         Path(error_file).write_text(traceback.format_exc())
-        raise SystemExit(1)
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Skip interpreter shutdown: with gloo, a worker thread can abort the process while Python
+    # finalises (pytorch/pytorch#190489), failing a rank whose test passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_ranks(fn: Callable, world_size: int, *args, backend: str | None = None) -> None:
