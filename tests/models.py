@@ -84,3 +84,32 @@ def local_loss(model: nn.Module, step: int, info) -> torch.Tensor:
     """This rank's loss on its slice of step ``step``'s global batch."""
     idx, targets = global_batch(step, info.world_size, info.device)
     return lm_loss(model, local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size))
+
+
+def assert_full_state_matches(model: nn.Module, ref: nn.Module, rtol: float, atol: float) -> None:
+    """The sharded model's full state dict equals the reference's state dict."""
+    full = fsdp_graph.full_state_dict(model)
+    expected = ref.state_dict()
+    assert full.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(full[key], value, rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+
+
+def sgd_pair(model: nn.Module, ref: nn.Module, lr: float = 0.1):
+    return torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
+
+
+def train_beside_reference(model: nn.Module, ref: nn.Module, steps: int = 2, optimizers=None) -> None:
+    """Single process: train both on the same batches; losses and final weights must agree."""
+    opt, ref_opt = optimizers or sgd_pair(model, ref)
+    cpu = torch.device("cpu")
+    for step in range(steps):
+        idx, targets = global_batch(step, 1, cpu)
+        loss, ref_loss = lm_loss(model, idx, targets), lm_loss(ref, idx, targets)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+        loss.backward()
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    assert_full_state_matches(model, ref, rtol=1e-6, atol=1e-7)

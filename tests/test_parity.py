@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import fsdp_graph
 from dist_harness import run_ranks
-from models import build, global_batch, lm_loss, local_loss, shard
+from models import assert_full_state_matches, build, global_batch, lm_loss, local_loss, shard
 
 STEPS = 4
 
@@ -105,9 +105,7 @@ def _tied_across_units(info) -> None:
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    full = fsdp_graph.full_state_dict(model)
-    for key, value in ref.state_dict().items():
-        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    assert_full_state_matches(model, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_parameter_tied_across_units_is_owned_by_common_ancestor():

@@ -11,29 +11,9 @@ import torch.nn as nn
 
 import fsdp_graph
 from dist_harness import run_ranks
-from models import build, global_batch, lm_loss, shard
+from models import assert_full_state_matches, build, global_batch, sgd_pair, shard, train_beside_reference
 
 CPU = torch.device("cpu")
-
-
-def _optimizers(model, ref, lr=0.1):
-    return torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
-
-
-def _assert_matches_reference(model, ref, steps=2, optimizers=None) -> None:
-    opt, ref_opt = optimizers or _optimizers(model, ref)
-    for step in range(steps):
-        idx, targets = global_batch(step, 1, CPU)
-        loss, ref_loss = lm_loss(model, idx, targets), lm_loss(ref, idx, targets)
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
-        loss.backward()
-        ref_loss.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    full = fsdp_graph.full_state_dict(model)
-    for key, value in ref.state_dict().items():
-        torch.testing.assert_close(full[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
 
 
 def test_training_continues_after_an_exception_in_forward():
@@ -44,13 +24,13 @@ def test_training_continues_after_an_exception_in_forward():
         model(bad)
     holders = [(m, a, mp.master) for u in model.fsdp_unit.subtree_units for mp in u.params for m, a in mp.refs]
     assert len(holders) > 20 and all(m._parameters[a] is master for m, a, master in holders)
-    _assert_matches_reference(model, ref)  # optimizer built after the failure sees the masters
+    train_beside_reference(model, ref)  # optimizer built after the failure sees the masters
 
 
 def test_training_continues_after_an_exception_in_backward():
     model, ref = build(CPU)
     shard(model)
-    optimizers = _optimizers(model, ref)
+    optimizers = sgd_pair(model, ref)
     idx, targets = global_batch(0, 1, CPU)
     logits = model(idx)
 
@@ -62,7 +42,7 @@ def test_training_continues_after_an_exception_in_backward():
         nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     for o in optimizers:
         o.zero_grad()  # the failed step is skipped
-    _assert_matches_reference(model, ref, optimizers=optimizers)
+    train_beside_reference(model, ref, optimizers=optimizers)
 
 
 def test_first_call_under_inference_mode_then_training():
@@ -71,7 +51,7 @@ def test_first_call_under_inference_mode_then_training():
     idx, _ = global_batch(0, 1, CPU)
     with torch.inference_mode():
         torch.testing.assert_close(model(idx), ref(idx), rtol=1e-6, atol=1e-7)
-    _assert_matches_reference(model, ref)
+    train_beside_reference(model, ref)
 
 
 def test_freezing_and_unfreezing_after_sharding():
@@ -81,7 +61,7 @@ def test_freezing_and_unfreezing_after_sharding():
     ref.blocks[0].fc.weight.requires_grad_(False)
     model.blocks[1].ln.weight.requires_grad_(True)  # frozen at construction
     ref.blocks[1].ln.weight.requires_grad_(True)
-    _assert_matches_reference(model, ref)
+    train_beside_reference(model, ref)
     assert model.blocks[0].fc.weight.grad is None
 
 
@@ -116,9 +96,7 @@ def _towers(info) -> None:
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    full = fsdp_graph.full_state_dict(model)
-    for key, value in ref.state_dict().items():
-        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    assert_full_state_matches(model, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_units_whose_inputs_need_no_gradient_release_their_slot():

@@ -7,7 +7,7 @@ import torch
 
 import fsdp_graph
 from dist_harness import run_ranks
-from models import TinyLM, build, global_batch, lm_loss, local_loss, local_part, shard
+from models import TinyLM, assert_full_state_matches, build, global_batch, lm_loss, local_loss, local_part, shard, train_beside_reference
 
 
 def _accumulation(info, api: str) -> None:
@@ -65,9 +65,7 @@ def _clip(info, norm_type: float) -> None:
     assert norm.item() > 0.5, "test must actually clip"
     torch.optim.SGD(model.parameters(), lr=1.0).step()
     torch.optim.SGD(ref.parameters(), lr=1.0).step()
-    full = fsdp_graph.full_state_dict(model)
-    for key, value in ref.state_dict().items():
-        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    assert_full_state_matches(model, ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
@@ -113,17 +111,6 @@ def test_single_process_training_matches_reference_without_process_group():
     """World size 1, plain python: no process group, same numbers as the unwrapped model."""
     model, ref = build(torch.device("cpu"))
     shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(3):
-        idx, targets = global_batch(step, 1, torch.device("cpu"))
-        loss, ref_loss = lm_loss(model, idx, targets), lm_loss(ref, idx, targets)
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
-        loss.backward()
-        ref_loss.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    full = fsdp_graph.full_state_dict(model)
-    for key, value in ref.state_dict().items():
-        torch.testing.assert_close(full[key], value, rtol=1e-6, atol=1e-7)
+    train_beside_reference(model, ref, steps=3,
+                           optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                       torch.optim.AdamW(ref.parameters(), lr=1e-2)))
