@@ -108,3 +108,28 @@ def test_init_distributed_names_the_launcher_when_rendezvous_is_missing(monkeypa
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(RuntimeError, match="MASTER_ADDR, MASTER_PORT not set.*torchrun"):
         fsdp_graph.init_distributed()
+
+
+class _Caller(nn.Linear):
+    """A leaf unit whose forward may call another unit that is not its submodule."""
+
+    callee = None
+
+    def forward(self, x):
+        x = super().forward(x)
+        return self.callee(x) if self.callee is not None else x
+
+
+@pytest.mark.parametrize("double_buffer", [True, False])
+def test_units_needing_the_same_slot_at_once(double_buffer):
+    model = nn.Sequential(_Caller(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    for layer in model:
+        fsdp_graph.fully_shard(layer, double_buffer=double_buffer)
+    fsdp_graph.fully_shard(model, double_buffer=double_buffer)
+    model(torch.randn(2, 4)).sum().backward()  # first pass: slots alternate 0, 1, 0
+    object.__setattr__(model[0], "callee", model[2])  # now the third runs inside the first
+    if double_buffer:
+        with pytest.raises(RuntimeError, match=r"share a double-buffer slot.*double_buffer=False"):
+            model(torch.randn(2, 4))
+    else:
+        model(torch.randn(2, 4)).sum().backward()  # the fix the message names
