@@ -202,7 +202,7 @@ def main() -> None:
     batches = Batches(data, cfg, args.batch_size, args.seed + dist.rank, device)
     tokens_per_step = args.batch_size * cfg.seq_len * dist.world_size  # global
 
-    is_main = dist.rank == 0
+    is_main = dist.is_main
     if is_main:
         print(f"config {args.config} ({n_params / 1e6:.2f}M params) | data {data} | dtype {dtype} | "
               f"device {device.type} | world size {dist.world_size} | "

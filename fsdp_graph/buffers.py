@@ -79,10 +79,6 @@ class FlatBuffers:
         reduce_out = torch.empty(shard_numel, dtype=reduce_dtype, device=device)
         return cls(params, GradBuffer(grads), reduce_in, reduce_out)
 
-    @property
-    def numel(self) -> int:
-        return self.params.numel()
-
 
 @dataclass
 class SlotPool:
