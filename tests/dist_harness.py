@@ -49,7 +49,12 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str
         TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
     )
     torch.set_num_threads(1)
+    import faulthandler
+
     import torch.distributed as dist
+
+    stacks = open(error_file + ".stacks", "w")  # a hung rank leaves its Python stacks here
+    faulthandler.dump_traceback_later(max(TIMEOUT_S - 15, 5), file=stacks)
 
     import fsdp_graph
 
@@ -91,6 +96,9 @@ def run_ranks(fn: Callable, world_size: int, *args, backend: str | None = None) 
                 p.kill()
                 p.join()
         reports = [f"--- rank {r} ---\n{Path(e).read_text()}" for r, e in enumerate(errors) if os.path.exists(e)]
+        if hung:
+            reports += [f"--- rank {r} stacks when it hung ---\n{Path(errors[r] + '.stacks').read_text()}"
+                        for r in range(world_size) if os.path.exists(errors[r] + ".stacks")]
         if reports or hung:
             detail = "\n".join(reports) or f"ranks {hung} did not finish within {TIMEOUT_S:.0f}s"
             raise AssertionError(f"{fn.__name__} failed on {backend} x{world_size}:\n{detail}")
