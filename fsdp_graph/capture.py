@@ -1,0 +1,344 @@
+"""``make_graphed_callables``: warm up, then capture each callable's forward and backward graph.
+
+The procedure, for N callables sharing one memory pool:
+
+1. ``pre_warmup_hook()``; ``num_warmup_iters`` eager passes on a side stream (cuBLAS handles,
+   autotuning and lazy state must exist before capture); ``post_warmup_hook()``.
+2. Capture, on the same side stream: forward graphs in call order, then backward graphs in
+   reverse order (``torch.autograd.grad`` on the captured forward's outputs), so the pool's
+   allocations follow the order in which they will be replayed.
+
+A pass (warm-up or capture) calls each callable's *capture-time hooks* around its forward and
+backward, always outside the capture context: ``pre_forward(module, args, kwargs)`` may return
+new ``(args, kwargs)``, ``forward(module, args, outputs)`` may return new outputs (seen by the
+next forward hook only), ``pre_backward(module)``, ``backward(module)``. This is where FSDP's
+unshard and reshard run, so a graph never contains communication or Python.
+
+The static inputs are copies of the arguments *after* the pre-forward hooks: at replay the same
+hooks run eagerly (``module(...)``) before the graphed forward sees its arguments.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
+
+from .graphed_callable import CapturedCall, GraphedCallable, describe_signature
+
+HOOK_KEYS = ("pre_forward", "forward", "pre_backward", "backward")
+MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def require_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{what} needs a CUDA device: CUDA graphs do not exist on CPU (torch.cuda.is_available() is "
+            "False). Train eagerly instead: fully_shard works on CPU without graphs."
+        )
+
+
+def normalize_capture_time_hooks(hooks, count: int) -> list[dict[str, dict]]:
+    """One ``{key: {id: fn}}`` per callable, every key present; unknown keys are an error."""
+    if hooks is None:
+        return [{key: {} for key in HOOK_KEYS} for _ in range(count)]
+    hooks = list(hooks)
+    if len(hooks) != count:
+        raise ValueError(f"capture_time_hooks has {len(hooks)} entries for {count} callables; pass one (or None) per callable")
+    normalized = []
+    for i, entry in enumerate(hooks):
+        entry = entry or {}
+        if not isinstance(entry, dict):
+            raise TypeError(f"capture_time_hooks[{i}] must be a dict like {{'pre_forward': {{id: fn}}}} or None")
+        unknown = sorted(set(entry) - set(HOOK_KEYS))
+        if unknown:
+            raise ValueError(f"capture_time_hooks[{i}]: unknown key(s) {unknown}; the keys are {list(HOOK_KEYS)}")
+        for key, fns in entry.items():
+            if not isinstance(fns, dict) or not all(callable(fn) for fn in fns.values()):
+                raise TypeError(f"capture_time_hooks[{i}]['{key}'] must be a dict of hook id -> callable")
+        normalized.append({key: dict(entry.get(key, {})) for key in HOOK_KEYS})
+    return normalized
+
+
+def _static_copy(x):
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.detach().clone().requires_grad_(x.requires_grad)
+
+
+def _input_names(args: tuple, kwargs: dict) -> list[str]:
+    """'args[0]', "kwargs['mask']", ... for every leaf of (args, kwargs)."""
+    names = []
+    for path, _ in tree_flatten_with_path((args, kwargs))[0]:
+        text = keystr(path)  # "[0][1]" or "[1]['mask']..."
+        names.append(("args" if text.startswith("[0]") else "kwargs") + text[3:])
+    return names
+
+
+class _Callable:
+    """One callable being captured: its sample, its capture-time hooks, and what capture made."""
+
+    def __init__(self, fn: Callable, name: str, args: tuple, kwargs: dict, hooks: dict[str, dict]) -> None:
+        self.fn = fn
+        self.module = fn if isinstance(fn, nn.Module) else None
+        self.name = name
+        self.sample = (tuple(args), dict(kwargs))
+        self.hooks = hooks
+        self.fwd_graph = self.bwd_graph = None
+
+    # -- capture-time hooks ----------------------------------------------------------------
+    def run_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        for fn in self.hooks["pre_forward"].values():
+            result = fn(self.fn, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise TypeError(f"a capture-time pre_forward hook of {self.name} must return None or (args, kwargs)")
+                args, kwargs = result
+        return tuple(args), dict(kwargs)
+
+    def run_forward(self, args: tuple, outputs):
+        for fn in self.hooks["forward"].values():
+            result = fn(self.fn, args, outputs)
+            if result is not None:
+                outputs = result
+        return outputs
+
+    def run_backward_hooks(self, key: str) -> None:
+        for fn in self.hooks[key].values():
+            fn(self.fn)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.module.parameters()) if self.module is not None else []
+
+    def parameter_places(self) -> list[tuple[dict, str, str, nn.Parameter]]:
+        """Where each parameter the forward reads is held, and which object is there now."""
+        if self.module is None:
+            return []
+        return [
+            (sub._parameters, attr, f"{prefix}.{attr}" if prefix else attr, p)
+            for prefix, sub in self.module.named_modules(remove_duplicate=False)
+            for attr, p in sub._parameters.items()
+            if p is not None
+        ]
+
+
+@dataclass
+class _ForwardPass:
+    spec: Any
+    leaves: list
+    args: tuple
+    kwargs: dict
+    outputs: Any
+    params: list[nn.Parameter]
+    param_places: list
+
+
+def _capturing(graph, pool, stream):
+    if graph is None:
+        return nullcontext()
+    return torch.cuda.graph(graph, pool=pool, stream=stream)
+
+
+def _forward(call: _Callable, graph=None, pool=None, stream=None) -> _ForwardPass:
+    args, kwargs = tree_map(_static_copy, call.sample)
+    args, kwargs = call.run_pre_forward(args, kwargs)
+    flat, spec = tree_flatten((args, kwargs))
+    leaves = [_static_copy(x) for x in flat]
+    args, kwargs = tree_unflatten(leaves, spec)
+    # After the pre-forward hooks: FSDP has swapped its persistent unsharded parameters in.
+    params, places = call.parameters(), call.parameter_places()
+    with _capturing(graph, pool, stream):
+        outputs = call.fn(*args, **kwargs)
+    call.run_forward(args, outputs)
+    return _ForwardPass(spec, leaves, args, kwargs, outputs, params, places)
+
+
+def _differentiable(fwd: _ForwardPass) -> tuple[list, list]:
+    outputs = [o for o in tree_flatten(fwd.outputs)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    inputs = [x for x in fwd.leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    inputs += [p for p in fwd.params if p.requires_grad]
+    return outputs, inputs
+
+
+def _backward(call: _Callable, fwd: _ForwardPass, graph=None, pool=None, stream=None):
+    """Returns (grad_outputs, grads) for the differentiable outputs and inputs, or None."""
+    call.run_backward_hooks("pre_backward")
+    outputs, inputs = _differentiable(fwd)
+    result = None
+    if outputs and inputs:
+        grad_outputs = [torch.zeros_like(o) for o in outputs]  # static, allocated outside the capture
+        with _capturing(graph, pool, stream):
+            grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+        result = (grad_outputs, grads)
+    call.run_backward_hooks("backward")
+    return result
+
+
+def _captured_call(call: _Callable, fwd: _ForwardPass, backward) -> CapturedCall:
+    out_leaves, out_spec = tree_flatten(fwd.outputs)
+    grad_outputs, grads = backward if backward is not None else ([], [])
+    grad_of = {}
+    differentiable_outputs, differentiable_inputs = _differentiable(fwd)
+    for o, g in zip(differentiable_outputs, grad_outputs):
+        grad_of[("out", id(o))] = g
+    for x, g in zip(differentiable_inputs, grads):
+        grad_of[("in", id(x))] = g
+    out_tensors = [o for o in out_leaves if isinstance(o, torch.Tensor)]
+    in_tensors = [x for x in fwd.leaves if isinstance(x, torch.Tensor)]
+    return CapturedCall(
+        name=call.name,
+        input_spec=fwd.spec,
+        input_leaves=fwd.leaves,
+        input_names=_input_names(fwd.args, fwd.kwargs),
+        signature=describe_signature(fwd.args, fwd.kwargs),
+        positional_tensors_only=not fwd.kwargs and all(isinstance(x, torch.Tensor) for x in fwd.args),
+        output_spec=out_spec,
+        # Detached: the capture's autograd graph (and the AccumulateGrad nodes it made on the
+        # side stream) must not outlive the capture, or replays would sync with that stream.
+        output_leaves=[o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves],
+        params=fwd.params,
+        param_places=fwd.param_places,
+        fwd_graph=call.fwd_graph,
+        bwd_graph=call.bwd_graph if backward is not None else None,
+        static_grad_outputs=[grad_of.get(("out", id(o))) if backward is not None else None for o in out_tensors],
+        static_grad_inputs=[grad_of.get(("in", id(x))) for x in in_tensors + fwd.params],
+        training=call.module.training if call.module is not None else None,
+    )
+
+
+@contextmanager
+def _gc_paused():
+    """A collection during capture can free tensors into the wrong pool: none runs meanwhile."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _check_arguments(modules: list, sample_args, sample_kwargs, num_warmup_iters: int) -> tuple[list, list]:
+    if not modules:
+        raise ValueError("make_graphed_callables: no callables given")
+    for i, fn in enumerate(modules):
+        if not callable(fn):
+            raise TypeError(f"modules[{i}] is a {type(fn).__name__}, not a module or callable")
+        if isinstance(fn, nn.Module):
+            if isinstance(fn.__dict__.get("forward"), GraphedCallable):
+                raise ValueError(f"modules[{i}] ({type(fn).__name__}) is already graphed; capture each module once")
+            hooked = [name for name in MODULE_HOOK_DICTS if getattr(fn, name)]
+            if hooked:
+                raise ValueError(
+                    f"modules[{i}] ({type(fn).__name__}) has hooks registered ({', '.join(hooked)}); capturing "
+                    "would bake them into the graph. Use fsdp_graph.graph_modules, which moves them to "
+                    "capture-time hooks, or remove them and pass them as capture_time_hooks."
+                )
+    if len({id(fn) for fn in modules}) != len(modules):
+        raise ValueError("make_graphed_callables: a callable appears twice; capture each one once")
+    sample_args = list(sample_args)
+    if len(sample_args) != len(modules):
+        raise ValueError(f"sample_args has {len(sample_args)} entries for {len(modules)} callables; pass one tuple per callable")
+    for i, args in enumerate(sample_args):
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"sample_args[{i}] must be a tuple of positional arguments, e.g. (x,), not {type(args).__name__}")
+    sample_kwargs = [None] * len(modules) if sample_kwargs is None else list(sample_kwargs)
+    if len(sample_kwargs) != len(modules):
+        raise ValueError(f"sample_kwargs has {len(sample_kwargs)} entries for {len(modules)} callables; pass one dict (or None) per callable")
+    if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
+        raise ValueError(
+            f"num_warmup_iters must be an int >= 1, got {num_warmup_iters!r}: lazy CUDA state (cuBLAS "
+            "handles, autotuning) must exist before capture"
+        )
+    return sample_args, [dict(k or {}) for k in sample_kwargs]
+
+
+def _check_devices(calls: list[_Callable]) -> None:
+    for call in calls:
+        leaves = tree_flatten(call.sample)[0]
+        names = _input_names(*call.sample)
+        for name, x in zip(names, leaves):
+            if isinstance(x, torch.Tensor) and x.device.type != "cuda":
+                raise ValueError(f"{call.name}: sample input {name} is on {x.device}; CUDA graphs need CUDA tensors")
+
+
+def make_graphed_callables(
+    modules: Sequence[Callable] | Callable,
+    sample_args: Sequence[tuple],
+    *,
+    sample_kwargs: Sequence[dict | None] | None = None,
+    num_warmup_iters: int = 3,
+    capture_time_hooks: Sequence[dict | None] | None = None,
+    pre_warmup_hook: Callable[[], None] | None = None,
+    post_warmup_hook: Callable[[], None] | None = None,
+    pool=None,
+) -> list[GraphedCallable] | GraphedCallable:
+    """Capture each callable's forward and backward as CUDA graphs; return one replaying callable each.
+
+    ``modules`` is a list of modules (without hooks of their own) or plain functions, with one
+    tuple of sample positional arguments each in ``sample_args`` (a single callable and a single
+    tuple also work, and return a single callable). Sample tensors are copied, so one sample may
+    serve several callables; they fix the shapes, dtypes and ``requires_grad`` flags every
+    replay must match. All graphs share ``pool`` (a fresh one if None) and must be replayed in
+    capture order: forwards in list order, backwards in reverse. See the module docstring for
+    ``capture_time_hooks``; ``pre_warmup_hook`` and ``post_warmup_hook`` run once around the
+    warm-up.
+    """
+    single = callable(modules) and not isinstance(modules, (list, tuple, nn.ModuleList, nn.Sequential))
+    if single:
+        modules, sample_args = [modules], [sample_args]
+        sample_kwargs = None if sample_kwargs is None else [sample_kwargs]
+        capture_time_hooks = None if capture_time_hooks is None else [capture_time_hooks]
+    modules = list(modules)
+    names = [f"modules[{i}] ({type(fn).__name__})" for i, fn in enumerate(modules)]
+    graphed = capture_callables(
+        modules, names, sample_args, sample_kwargs, num_warmup_iters, capture_time_hooks,
+        pre_warmup_hook, post_warmup_hook, pool,
+        eager=[fn.forward if isinstance(fn, nn.Module) else None for fn in modules],
+    )
+    return graphed[0] if single else graphed
+
+
+def capture_callables(
+    modules: list, names: list[str], sample_args, sample_kwargs, num_warmup_iters: int, capture_time_hooks,
+    pre_warmup_hook, post_warmup_hook, pool, eager: list,
+) -> list[GraphedCallable]:
+    """``make_graphed_callables`` with names for error messages and each module's eager forward."""
+    sample_args, sample_kwargs = _check_arguments(modules, sample_args, sample_kwargs, num_warmup_iters)
+    hooks = normalize_capture_time_hooks(capture_time_hooks, len(modules))
+    calls = [_Callable(fn, name, a, k, h) for fn, name, a, k, h in zip(modules, names, sample_args, sample_kwargs, hooks)]
+    require_cuda("make_graphed_callables")
+    _check_devices(calls)
+
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with _gc_paused(), torch.cuda.stream(stream):
+        if pre_warmup_hook is not None:
+            pre_warmup_hook()
+        for _ in range(num_warmup_iters):
+            passes = [_forward(call) for call in calls]
+            for call, fwd in zip(reversed(calls), reversed(passes)):
+                _backward(call, fwd)
+            del passes
+        if post_warmup_hook is not None:
+            post_warmup_hook()
+        torch.cuda.synchronize()
+
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        for call in calls:
+            call.fwd_graph, call.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        passes = [_forward(call, call.fwd_graph, pool, stream) for call in calls]
+        backwards = [None] * len(calls)
+        for i in reversed(range(len(calls))):
+            backwards[i] = _backward(calls[i], passes[i], calls[i].bwd_graph, pool, stream)
+    torch.cuda.current_stream().wait_stream(stream)
+    return [
+        GraphedCallable(_captured_call(call, fwd, bwd), eager=e, module=call.module)
+        for call, fwd, bwd, e in zip(calls, passes, backwards, eager)
+    ]

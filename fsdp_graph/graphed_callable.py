@@ -1,0 +1,203 @@
+"""A captured callable at replay: live inputs into static inputs, replay, gradients back to autograd.
+
+A CUDA graph replays fixed kernels on fixed addresses. Everything here exists so that a replay
+either computes exactly what the eager call would have, or refuses loudly:
+
+* live inputs are *copied* into the static inputs the graph reads (rebinding a name would
+  leave the graph reading stale data), after a check of shape, dtype, device and
+  ``requires_grad`` against what was captured; non-tensor arguments were frozen into the graph,
+  so they must equal the captured ones;
+* the module must still hold the very parameter objects (and addresses) the graph was captured
+  with: FSDP's persistent unsharded parameters, or a plain module's own parameters;
+* one backward per forward: the backward graph reads the activations the forward graph left
+  in the shared pool, so a second forward before that backward (or a backward without its
+  forward) would silently use the wrong activations. A forward whose autograd graph is gone
+  (its outputs were dropped) no longer counts as pending;
+* gradients go back to autograd as the static gradient tensors themselves, which this object
+  keeps referenced: AccumulateGrad then adds them into an existing ``.grad`` in place, and when
+  ``.grad`` is unset it *copies* them (it only adopts a tensor nobody else references), so no
+  ``.grad`` ever aliases a buffer the next replay overwrites.
+
+The graphs only need a ``replay()`` method, which is what lets the checks run in CPU tests.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+
+@dataclass
+class CapturedCall:
+    """What one capture produced (see ``capture.py``)."""
+
+    name: str
+    input_spec: TreeSpec  # of (args, kwargs), as the graphed forward received them
+    input_leaves: list  # static input tensors and the frozen non-tensor values, flattened
+    input_names: list[str]  # e.g. "args[0]", "kwargs['mask']", per leaf
+    signature: str  # the call's structure, for error messages
+    positional_tensors_only: bool  # every argument a tensor, no keywords: the fast path applies
+    output_spec: TreeSpec
+    output_leaves: list  # static output tensors and frozen non-tensor outputs
+    params: list[nn.Parameter]  # the module's parameters the graphs read, unique, in order
+    param_places: list[tuple[dict, str, str, nn.Parameter]]  # (module._parameters, attribute, name, object) at capture
+    fwd_graph: Any  # has .replay()
+    bwd_graph: Any | None  # None when nothing needed a gradient at capture
+    static_grad_outputs: list  # per output tensor: its static gradient, None if not differentiable
+    static_grad_inputs: list  # per input tensor then per parameter: static gradient or None
+    training: bool | None  # the module's mode at capture (None for plain callables)
+
+
+class GraphedCallable:
+    """Callable returned by ``make_graphed_callables``; ``graph_modules`` installs it as the
+    module's ``forward``. A module whose training mode differs from capture runs ``eager``."""
+
+    def __init__(self, captured: CapturedCall, eager: Callable | None = None, module: nn.Module | None = None) -> None:
+        c = captured
+        self.name = c.name
+        self.captured = c
+        self.eager = eager
+        self.module = module
+        self._tensor_positions = [i for i, x in enumerate(c.input_leaves) if isinstance(x, torch.Tensor)]
+        self.static_inputs = [c.input_leaves[i] for i in self._tensor_positions]
+        self._constants = [(i, x) for i, x in enumerate(c.input_leaves) if not isinstance(x, torch.Tensor)]
+        self._n_tensors = len(self.static_inputs)
+        self._output_tensor_positions = [i for i, x in enumerate(c.output_leaves) if isinstance(x, torch.Tensor)]
+        self.static_outputs = [c.output_leaves[i] for i in self._output_tensor_positions]
+        self._single_output = c.output_spec.is_leaf() and len(self.static_outputs) == 1
+        self._non_differentiable = [i for i, g in enumerate(c.static_grad_outputs) if g is None]
+        self.params = c.params
+        self._param_checks = [
+            (places, attr, qualified, param, param.data_ptr(), param.requires_grad)
+            for places, attr, qualified, param in c.param_places
+        ]
+        self._has_backward = c.bwd_graph is not None
+        self._pending: weakref.ref | None = None  # the autograd node of a forward awaiting its backward
+
+    # -- the call ------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.eager is not None and self.module is not None and self.module.training != self.captured.training:
+            return self.eager(*args, **kwargs)  # the graphs hold the other mode's kernels (dropout)
+        inputs = self._live_inputs(args, kwargs)
+        self._check_params()
+        self._check_no_pending_backward()
+        track = self._has_backward and torch.is_grad_enabled()
+        outputs = _Replay.apply(self, track, *inputs, *self.params)
+        if self._single_output:
+            return outputs[0]
+        leaves = list(self.captured.output_leaves)
+        for i, out in zip(self._output_tensor_positions, outputs):
+            leaves[i] = out
+        return tree_unflatten(leaves, self.captured.output_spec)
+
+    def _live_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        if self.captured.positional_tensors_only and not kwargs and len(args) == self._n_tensors:
+            tensors = args
+        else:
+            flat, spec = tree_flatten((args, kwargs))
+            if spec != self.captured.input_spec:
+                raise ValueError(
+                    f"graphed {self.name}: called with {describe_signature(args, kwargs)}, but it was captured "
+                    f"with {self.captured.signature}. A graph replays one call signature: pass the same "
+                    "positional and keyword arguments as the sample."
+                )
+            for i, frozen in self._constants:
+                if not (flat[i] is frozen or flat[i] == frozen):
+                    raise ValueError(
+                        f"graphed {self.name}: argument {self.captured.input_names[i]} is {flat[i]!r} but was "
+                        f"{frozen!r} at capture. Non-tensor arguments are frozen into the graph; re-capture "
+                        "with the new value, or pass it as a tensor."
+                    )
+            tensors = [flat[i] for i in self._tensor_positions]
+        grad_matters = torch.is_grad_enabled()
+        for i, (live, static) in enumerate(zip(tensors, self.static_inputs)):
+            if not (
+                isinstance(live, torch.Tensor)
+                and live.shape == static.shape
+                and live.dtype == static.dtype
+                and live.device == static.device
+                and (not grad_matters or live.requires_grad == static.requires_grad)
+            ):
+                raise ValueError(self._mismatch(self.captured.input_names[self._tensor_positions[i]], live, static))
+        return tensors
+
+    def _mismatch(self, name: str, live, static: torch.Tensor) -> str:
+        def describe(t) -> str:
+            if not isinstance(t, torch.Tensor):
+                return f"{type(t).__name__} {t!r}"
+            return f"shape {tuple(t.shape)}, {t.dtype}, {t.device}, requires_grad={t.requires_grad}"
+
+        return (
+            f"graphed {self.name}: input {name} does not match the captured sample: expected "
+            f"{describe(static)}, got {describe(live)}. A CUDA graph replays fixed shapes: pad the input "
+            "to the captured shape, capture once per shape, or leave this module eager."
+        )
+
+    def _check_params(self) -> None:
+        for places, attr, name, param, ptr, requires_grad in self._param_checks:
+            current = places.get(attr)
+            if current is not param or current.data_ptr() != ptr or current.requires_grad != requires_grad:
+                raise RuntimeError(
+                    f"graphed {self.name}: parameter '{name}' is not the tensor the graph was captured with "
+                    "(replaced, moved, or requires_grad changed). Call the module itself, module(...), so "
+                    "FSDP's hooks swap the persistent unsharded parameters in; after changing parameters, "
+                    "capture again."
+                )
+
+    def _check_no_pending_backward(self) -> None:
+        if self._pending is not None and self._pending() is not None:
+            raise RuntimeError(
+                f"graphed {self.name}: forward called again while the previous forward's backward is still "
+                "pending. Its activations live in the graph's static buffers and would be overwritten. Run "
+                "backward first, or drop every reference to the previous output's autograd graph (detach "
+                "tensors you keep for logging)."
+            )
+
+    def _start_backward(self, node) -> None:
+        if self._pending is None or self._pending() is not node:
+            raise RuntimeError(
+                f"graphed {self.name}: backward without a matching forward (backward run twice for one "
+                "forward, e.g. retain_graph=True). A graphed forward supports exactly one backward."
+            )
+        self._pending = None
+
+
+def describe_signature(args: tuple, kwargs: dict) -> str:
+    return f"{len(args)} positional argument(s) and keyword arguments {sorted(kwargs)}"
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runner: GraphedCallable, track: bool, *inputs: torch.Tensor):
+        ctx.runner = runner
+        ctx.set_materialize_grads(False)
+        for live, static in zip(inputs, runner.static_inputs):
+            if live.data_ptr() != static.data_ptr():
+                static.copy_(live)
+        runner.captured.fwd_graph.replay()
+        if track:
+            runner._pending = weakref.ref(ctx)
+        outputs = tuple(o.detach() for o in runner.static_outputs)
+        if runner._non_differentiable:
+            ctx.mark_non_differentiable(*(outputs[i] for i in runner._non_differentiable))
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        runner: GraphedCallable = ctx.runner
+        runner._start_backward(ctx)
+        for grad, static in zip(grads, runner.captured.static_grad_outputs):
+            if static is None:
+                continue
+            if grad is None:
+                static.zero_()
+            elif grad.data_ptr() != static.data_ptr():
+                static.copy_(grad)
+        runner.captured.bwd_graph.replay()
+        return (None, None, *runner.captured.static_grad_inputs)

@@ -1,0 +1,174 @@
+"""CPU: a graphed callable's replay-time checks, with the CUDA graphs emulated.
+
+The emulated forward "graph" re-runs the module on the static inputs and copies the result into
+the static outputs; the emulated backward differentiates that run into the static gradients.
+Everything else (input checks, parameter checks, one backward per forward, how gradients
+reach autograd) is the real code path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp_graph.capture import _backward, _Callable, _captured_call, _forward
+from fsdp_graph.graphed_callable import GraphedCallable
+
+
+class _EmulatedGraphs:
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.captured = None
+        self.replays = {"forward": 0, "backward": 0}
+
+    def forward_graph(self):
+        return _Replayer(self, "forward")
+
+    def backward_graph(self):
+        return _Replayer(self, "backward")
+
+    def run(self, which: str) -> None:
+        c = self.captured
+        self.replays[which] += 1
+        args, kwargs = _tree(c)
+        if which == "forward":
+            with torch.enable_grad():
+                self._out = self.module(*args, **kwargs)
+            c.output_leaves[0].copy_(self._out.detach())
+            return
+        inputs = [x for x in c.input_leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+        inputs += [p for p in c.params if p.requires_grad]
+        grads = torch.autograd.grad(self._out, inputs, c.static_grad_outputs[0])
+        targets = [g for g in c.static_grad_inputs if g is not None]
+        for target, grad in zip(targets, grads):
+            target.copy_(grad)
+
+
+class _Replayer:
+    def __init__(self, graphs: _EmulatedGraphs, which: str) -> None:
+        self.graphs, self.which = graphs, which
+
+    def replay(self) -> None:
+        self.graphs.run(self.which)
+
+
+def _tree(c):
+    from torch.utils._pytree import tree_unflatten
+
+    return tree_unflatten(c.input_leaves, c.input_spec)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, *, scale: float = 1.0, bias=None):
+        y = self.lin(x) * scale
+        return y if bias is None else y + bias
+
+
+def emulated(module: nn.Module, args: tuple, kwargs: dict | None = None):
+    """Capture ``module`` the way make_graphed_callables does, with emulated graphs."""
+    call = _Callable(module, "Scaled", args, kwargs or {}, {k: {} for k in ("pre_forward", "forward", "pre_backward", "backward")})
+    fwd = _forward(call)
+    bwd = _backward(call, fwd)
+    graphs = _EmulatedGraphs(module)
+    call.fwd_graph, call.bwd_graph = graphs.forward_graph(), graphs.backward_graph()
+    captured = _captured_call(call, fwd, bwd)
+    graphs.captured = captured
+    return GraphedCallable(captured, eager=module.forward, module=module), graphs
+
+
+def test_emulated_replay_matches_eager_and_grad_never_aliases_static_buffers():
+    torch.manual_seed(0)
+    module, reference = Scaled(), Scaled()
+    reference.load_state_dict(module.state_dict())
+    graphed, _ = emulated(module, (torch.randn(2, 3, requires_grad=True),), {"scale": 2.0})
+    for _ in range(2):  # two micro-batches accumulate into .grad, as in eager
+        x = torch.randn(2, 3, requires_grad=True)
+        graphed(x, scale=2.0).square().sum().backward()
+        reference(x.detach(), scale=2.0).square().sum().backward()
+    static_grads = {g.data_ptr() for g in graphed.captured.static_grad_inputs if g is not None}
+    for p, q in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+        assert p.grad.data_ptr() not in static_grads  # adopted would mean overwritten by the next replay
+
+
+def _graphed(**kwargs):
+    module = Scaled()
+    graphed, graphs = emulated(module, (torch.randn(2, 3, requires_grad=True),), kwargs)
+    return module, graphed, graphs
+
+
+@pytest.mark.parametrize(
+    "live, expected",
+    [
+        (torch.randn(4, 3, requires_grad=True), r"expected shape \(2, 3\).*got shape \(4, 3\)"),
+        (torch.randn(2, 3, dtype=torch.float64, requires_grad=True), r"expected .*torch.float32.*got .*torch.float64"),
+        (torch.randn(2, 3), "expected .*requires_grad=True, got .*requires_grad=False"),
+        ("not a tensor", "expected .*got str 'not a tensor'"),
+    ],
+)
+def test_input_that_differs_from_the_sample_is_refused(live, expected):
+    _, graphed, graphs = _graphed()
+    with pytest.raises(ValueError, match=r"graphed Scaled: input args\[0\] does not match the captured sample: " + expected):
+        graphed(live)
+    assert graphs.replays["forward"] == 0
+
+
+def test_keyword_structure_and_frozen_values_are_checked():
+    _, graphed, _ = _graphed(scale=2.0)
+    x = torch.randn(2, 3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"argument kwargs\['scale'\] is 3.0 but was 2.0 at capture"):
+        graphed(x, scale=3.0)
+    with pytest.raises(ValueError, match=r"called with 1 positional argument\(s\) and keyword arguments \[\]"):
+        graphed(x)
+    with pytest.raises(ValueError, match=r"keyword arguments \['bias', 'scale'\]"):
+        graphed(x, scale=2.0, bias=torch.zeros(3))
+    graphed(x, scale=2.0).sum().backward()
+
+
+def test_forward_twice_before_backward_is_refused_until_the_first_graph_is_gone():
+    _, graphed, graphs = _graphed()
+    x = torch.randn(2, 3, requires_grad=True)
+    out = graphed(x)
+    with pytest.raises(RuntimeError, match="forward called again while the previous forward's backward is still pending"):
+        graphed(x)
+    assert graphs.replays["forward"] == 1
+    del out  # the first forward's autograd graph is gone: its backward can never come
+    graphed(x).sum().backward()
+    graphed(x).sum().backward()
+    assert graphs.replays == {"forward": 3, "backward": 2}
+
+
+def test_backward_twice_for_one_forward_is_refused():
+    _, graphed, _ = _graphed()
+    loss = graphed(torch.randn(2, 3, requires_grad=True)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward without a matching forward"):
+        loss.backward()
+
+
+def test_forward_under_no_grad_leaves_nothing_pending():
+    _, graphed, _ = _graphed()
+    with torch.no_grad():
+        out = graphed(torch.randn(2, 3))  # requires_grad does not matter without autograd
+        graphed(torch.randn(2, 3))
+    assert not out.requires_grad
+    graphed(torch.randn(2, 3, requires_grad=True)).sum().backward()
+
+
+def test_other_training_mode_runs_eagerly():
+    module, graphed, graphs = _graphed()
+    module.eval()
+    out = graphed(torch.randn(5, 3))  # another shape is fine: this is the eager forward
+    assert out.shape == (5, 3) and graphs.replays["forward"] == 0
+
+
+def test_replaced_parameter_is_refused():
+    module, graphed, _ = _graphed()
+    module.lin.weight = nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(RuntimeError, match="parameter 'lin.weight' is not the tensor the graph was captured with"):
+        graphed(torch.randn(2, 3, requires_grad=True))
