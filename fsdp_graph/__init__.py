@@ -8,11 +8,17 @@ Public API (see README.md for the full picture):
 - ``full_state_dict`` / ``load_full_state_dict``: unsharded checkpoints.
 - ``clip_grad_norm_``: global gradient-norm clipping.
 - ``FSDPModule``: mixin of every sharded module (``no_sync()``, ``set_requires_gradient_sync()``).
+- ``graph_modules(modules, sample_args, ...)``: graph chosen modules in place (FSDP units, modules
+  inside them, plain modules); ``select_modules(model, Block)`` chooses them.
+- ``make_graphed_callables(...)``: the low-level capture with capture-time hooks.
 """
 
+from .capture import make_graphed_callables
 from .clip_grad import clip_grad_norm_
 from .distributed import DistInfo, init_distributed
 from .fully_shard import FSDPModule, fully_shard
+from .graph_modules import graph_modules, select_modules
+from .graphed_callable import GraphedCallable
 from .hooks import (
     BACKWARD_PRE_SENTINEL,
     BACKWARD_SENTINEL,
@@ -30,16 +36,20 @@ __all__ = [
     "DistInfo",
     "FSDPModule",
     "FSDPUnit",
+    "GraphedCallable",
     "MixedPrecision",
     "TrainingState",
     "TransitionError",
     "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
+    "graph_modules",
     "init_distributed",
     "load_full_state_dict",
+    "make_graphed_callables",
     "post_backward_handler",
     "pre_backward_handler",
+    "select_modules",
 ]
 
 __version__ = "0.1.0"

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .distributed import resolve_group
+from .graphed_callable import GraphedCallable
 from .hooks import UNIT_ATTR, register_unit_hooks, unit_of
 from .mixed_precision import MixedPrecision
 from .unit import FSDPUnit, UnitConfig, master_owner, replaced_by
@@ -188,6 +189,18 @@ def _link(root_unit: FSDPUnit) -> None:
     root_unit.subtree_units = all_units
 
 
+def _refuse_if_graphed(module: nn.Module) -> None:
+    """Graphs hold the addresses of the buffers a unit has now; sharding re-plans them."""
+    for name, sub in module.named_modules():
+        unit = sub.__dict__.get(UNIT_ATTR)
+        if isinstance(sub.__dict__.get("forward"), GraphedCallable) or (unit is not None and unit.graphed):
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): '{name or '<root>'}' ({type(sub).__name__}) is already graphed, "
+                "and its graphs would keep reading the parameters' old addresses. Call fully_shard on every "
+                "unit and the root first, then graph_modules."
+            )
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -219,6 +232,7 @@ def fully_shard(
             f"{enclosing.name}. Call fully_shard bottom-up, as in FSDP2: every inner unit (e.g. each "
             "transformer block) first, then the root."
         )
+    _refuse_if_graphed(module)
     group = resolve_group(process_group)
     device = _choose_device(module, group)
     _move_buffers(module, device)

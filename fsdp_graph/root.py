@@ -7,8 +7,8 @@ prefetch the next unit in that order (forward) or the previous one (backward).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -94,6 +94,25 @@ class RootContext:
         if self._next_backward is None and self.backward_order:
             self._next_backward = dict(zip(self.backward_order, self.backward_order[1:]))
         self.streams.wait_for_all()
+
+    @contextmanager
+    def outside_training_step(self) -> Iterator[None]:
+        """Unit steps run by graph warm-up and capture are no training step: afterwards every unit
+        is idle with nothing prefetched, and the recorded execution order and all gradients are
+        as before (also when capture fails)."""
+        order = (list(self.forward_order), list(self.backward_order), self._next_forward, self._next_backward)
+        grads = [unit.grad_state() for unit in self.units]
+        try:
+            yield
+        finally:
+            self.streams.wait_for_all()
+            for unit, state in zip(self.units, grads):
+                unit.reset_if_stuck()
+                unit.clear_prefetch()
+                unit.restore_grad_state(state)
+            self.forward_order[:], self.backward_order[:] = order[0], order[1]
+            self._next_forward, self._next_backward = order[2], order[3]
+            self.end_of_backward_queued = False
 
     # -- execution order for prefetching --------------------------------------------------
     def record_forward(self, unit: FSDPUnit) -> None:

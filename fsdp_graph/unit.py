@@ -136,6 +136,7 @@ class FSDPUnit:
 
         self.state = TrainingState.IDLE
         self.requires_gradient_sync = True
+        self.graphed = False  # set by graph_modules: graphs hold this unit's buffer addresses
         self.parent: FSDPUnit | None = None
         self.root_unit: FSDPUnit = self
         self.subtree_units: list[FSDPUnit] = [self]
@@ -349,7 +350,7 @@ class FSDPUnit:
 
     # -- the four hook steps --------------------------------------------------------------
     def pre_forward(self) -> None:
-        ctx = self._ensure_root_ctx()
+        ctx = self.ensure_root_ctx()
         if self is ctx.root and not _in_backward():
             ctx.begin_forward()  # a new iteration (also recovers units an exception left mid-step)
         if self.state is TrainingState.BACKWARD:
@@ -379,7 +380,7 @@ class FSDPUnit:
         if self.state is TrainingState.BACKWARD:
             return  # several outputs each fire the hook; the first one does the work
         check_transition(self.name, "pre_backward", self.state, (TrainingState.IDLE,))
-        ctx = self._ensure_root_ctx()
+        ctx = self.ensure_root_ctx()
         ctx.record_backward(self)
         if not self._gathered:
             self._issue_unshard()
@@ -462,7 +463,7 @@ class FSDPUnit:
                 grad.add_(piece, alpha=scale)
 
     # -- root and iteration boundaries ----------------------------------------------------
-    def _ensure_root_ctx(self) -> RootContext:
+    def ensure_root_ctx(self) -> RootContext:
         if self.root_ctx is None:
             root = self.root_unit
             RootContext(root, root.subtree_units)  # binds itself to every unit
@@ -478,6 +479,20 @@ class FSDPUnit:
 
     def clear_prefetch(self) -> None:
         self._prefetched = False
+
+    # -- graph capture ------------------------------------------------------------------
+    def grad_state(self) -> tuple:
+        """What unit steps run at graph capture may change: the masters' ``.grad``, the sharded
+        gradient values, the ``no_sync`` accumulation flag (see ``RootContext.outside_training_step``)."""
+        return [mp.master.grad for mp in self.params], self.sharded_grad_flat.clone(), self._accum_pending
+
+    def restore_grad_state(self, state: tuple) -> None:
+        grads, values, accum_pending = state
+        with torch.no_grad():
+            self.sharded_grad_flat.copy_(values)
+        for mp, grad in zip(self.params, grads):
+            mp.master.grad = grad
+        self._accum_pending = accum_pending
 
     # -- full parameters (state dicts, re-planning) ---------------------------------------
     def _require_idle(self, what: str) -> None:

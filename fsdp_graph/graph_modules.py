@@ -1,0 +1,174 @@
+"""``graph_modules``: graph chosen modules of a model in place, FSDP-sharded or not.
+
+For every module, in this order:
+
+1. Checks, before any capture: the module is not inside another selected module and contains
+   no FSDP unit (a unit's collectives would be captured); every FSDP parameter it reads belongs
+   to one unit, idle, sharded with ``double_buffer=True`` and
+   ``persist_buffer_on_alloc_fail=True`` (otherwise the unsharded parameters move between
+   iterations and the graph would read stale addresses). Then: CUDA is available.
+2. Its hooks come off and become capture-time hooks (``reroute.py``), FSDP's sentinel wrappers
+   replaced by their handlers. A module *inside* a unit (a block's attention, say) has no FSDP
+   hooks of its own, so it gets the enclosing unit's four steps as capture-time hooks: its
+   parameters are unsharded around its capture exactly as around its eager call.
+3. Capture (``capture.py``) inside each FSDP root's ``outside_training_step``: afterwards
+   every unit is idle and gradients and recorded order are as before.
+4. The hooks go back (also when capture fails) and ``module.forward`` becomes the graphed
+   callable, so ``module(x)`` runs the restored hooks eagerly around the replay. Hooks on its
+   submodules can no longer be added (they would never run).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Callable, Sequence
+
+import torch.nn as nn
+
+from .capture import capture_callables, require_cuda
+from .fully_shard import _ENCLOSING_ATTR, units_in
+from .graphed_callable import GraphedCallable
+from .hooks import UNIT_ATTR, post_backward_handler, post_forward_reshard, pre_backward_handler, pre_forward_unshard
+from .reroute import ModuleHooks, hooks_taken_off, seal_submodule_hooks
+from .training_state import TrainingState
+from .unit import FSDPUnit, master_owner
+
+Selection = type | tuple | Callable[[str, nn.Module], bool]
+
+
+def select_modules(model: nn.Module, selection: Selection) -> list[nn.Module]:
+    """The modules of ``model`` (``named_modules`` order) chosen by a class, a tuple of classes,
+    or a predicate ``(qualified_name, module) -> bool``: the list to pass to ``graph_modules``."""
+    if isinstance(selection, type) or (
+        isinstance(selection, tuple) and selection and all(isinstance(t, type) for t in selection)
+    ):
+        return [m for m in model.modules() if isinstance(m, selection)]
+    if callable(selection):
+        return [m for name, m in model.named_modules() if selection(name, m)]
+    raise TypeError(f"selection must be a module class, a tuple of classes or a predicate (name, module) -> bool, not {selection!r}")
+
+
+def _describe(module: nn.Module, index: int) -> str:
+    unit = module.__dict__.get(_ENCLOSING_ATTR)
+    if unit is not None and unit.module is module:
+        return f"module {index} (FSDP unit {unit.name})"
+    if unit is not None:
+        return f"module {index} ({type(module).__name__} inside FSDP unit {unit.name})"
+    return f"module {index} ({type(module).__name__})"
+
+
+def _unit_to_unshard(module: nn.Module, name: str) -> FSDPUnit | None:
+    """The FSDP unit whose parameters ``module`` reads (None for a plain module); refuses what
+    a graph cannot replay correctly."""
+    inner = [u for u in units_in(module) if u.module is not module]
+    if inner:
+        raise ValueError(
+            f"graph_modules: {name} contains FSDP unit {inner[0].name}, whose unshard and reduce-scatter would "
+            "be captured into the graph. Graph that inner unit (or modules inside it) instead."
+        )
+    owners = {id(u): u for u in (master_owner(p) for p in module.parameters()) if u is not None}
+    if not owners:
+        return None
+    enclosing = module.__dict__.get(_ENCLOSING_ATTR)
+    foreign = [u for u in owners.values() if u is not enclosing]
+    if foreign:
+        raise ValueError(
+            f"graph_modules: {name} reads parameters of FSDP unit {foreign[0].name}, an enclosing unit (a "
+            "parameter tied across units), which is not unsharded around this module's capture. Graph a "
+            "module that does not use it, or untie the parameter."
+        )
+    config = enclosing.config
+    if not (config.double_buffer and config.persist_buffer_on_alloc_fail):
+        raise ValueError(
+            f"graph_modules: {name} reads parameters of FSDP unit {enclosing.name}, sharded with "
+            f"double_buffer={config.double_buffer} and persist_buffer_on_alloc_fail="
+            f"{config.persist_buffer_on_alloc_fail}. A CUDA graph replays fixed addresses, but without both "
+            "flags the unit's unsharded parameters are re-allocated per unshard and move between "
+            "iterations. Pass double_buffer=True and persist_buffer_on_alloc_fail=True to fully_shard "
+            "(the defaults)."
+        )
+    if enclosing.state is not TrainingState.IDLE:
+        raise ValueError(
+            f"graph_modules: FSDP unit {enclosing.name} is in {enclosing.state.value}; graph modules between "
+            "training steps (after optimizer.step(), not inside forward or backward)."
+        )
+    return enclosing
+
+
+def _check_selection(modules: list[nn.Module], names: list[str]) -> None:
+    for i, module in enumerate(modules):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"graph_modules expects nn.Module objects; item {i} is a {type(module).__name__}")
+        for sub in module.modules():
+            if isinstance(sub.__dict__.get("forward"), GraphedCallable):
+                raise ValueError(f"graph_modules: {names[i]} is already graphed, or contains a graphed module; capture each module once")
+        for j, other in enumerate(modules):
+            if j != i and any(sub is other for sub in module.modules()):
+                raise ValueError(
+                    f"graph_modules: {names[j]} is inside {names[i]}, and both are selected. Graph one of them: "
+                    "the outer one's graph would already contain the inner one."
+                )
+
+
+def _with_unit_steps(hooks: dict[str, dict], unit: FSDPUnit) -> dict[str, dict]:
+    """A module inside ``unit``: the unit's unshard/reshard and backward handlers run around
+    its capture, outermost (as they do around its eager call)."""
+    unit_module = unit.module
+    return {
+        "pre_forward": {"fsdp_unshard": lambda m, a, k: pre_forward_unshard(unit_module, a, k), **hooks["pre_forward"]},
+        "forward": {**hooks["forward"], "fsdp_reshard": lambda m, a, o: post_forward_reshard(unit_module, a, o)},
+        "pre_backward": {"fsdp_pre_backward": lambda m: pre_backward_handler(unit_module), **hooks["pre_backward"]},
+        "backward": {**hooks["backward"], "fsdp_post_backward": lambda m: post_backward_handler(unit_module)},
+    }
+
+
+def _capture_time_hooks(taken: ModuleHooks, unit: FSDPUnit | None, kwargs: dict) -> dict[str, dict]:
+    hooks = taken.capture_time_hooks()
+    taken.set_call_kwargs(kwargs)
+    if unit is not None and taken.module.__dict__.get(UNIT_ATTR) is not unit:
+        hooks = _with_unit_steps(hooks, unit)
+    return hooks
+
+
+def graph_modules(
+    modules: Sequence[nn.Module],
+    sample_args: Sequence[tuple],
+    *,
+    sample_kwargs: Sequence[dict | None] | None = None,
+    num_warmup_iters: int = 3,
+    pool=None,
+) -> list[GraphedCallable]:
+    """Capture each module's forward and backward as CUDA graphs and install them in place.
+
+    ``modules``: FSDP units, modules inside a unit (attention only, MLP only) or plain modules,
+    e.g. ``select_modules(model, Block)``; ``sample_args``: one tuple of sample arguments per
+    module (``[(x,)] * len(modules)`` is fine: samples are copied). Call it between training
+    steps, after ``fully_shard`` on every unit and the root. Afterwards ``module(...)`` replays,
+    with the module's hooks (FSDP's unshard/reshard among them) running eagerly around the
+    graph. Returns the graphed callables, in order.
+    """
+    modules = list(modules)
+    names = [_describe(m, i) for i, m in enumerate(modules)]
+    _check_selection(modules, names)
+    units = [_unit_to_unshard(m, name) for m, name in zip(modules, names)]
+    require_cuda("graph_modules")
+    kwargs_list = [None] * len(modules) if sample_kwargs is None else list(sample_kwargs)
+    eager = [m.forward for m in modules]
+    roots = {id(ctx): ctx for ctx in (u.ensure_root_ctx() for u in units if u is not None)}
+    with ExitStack() as stack:
+        for ctx in roots.values():
+            stack.enter_context(ctx.outside_training_step())
+        with hooks_taken_off(modules, names) as taken:
+            capture_time_hooks = [
+                _capture_time_hooks(t, u, dict(k or {})) for t, u, k in zip(taken, units, kwargs_list)
+            ]
+            graphed = capture_callables(
+                modules, names, sample_args, sample_kwargs, num_warmup_iters, capture_time_hooks,
+                None, None, pool, eager,
+            )
+    for module, name, unit, runner in zip(modules, names, units, graphed):
+        if unit is not None:
+            unit.graphed = True
+        module.forward = runner
+        seal_submodule_hooks(module, name)
+    return graphed
