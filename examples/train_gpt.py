@@ -85,6 +85,8 @@ def parse_args() -> argparse.Namespace:
                    help="compute dtype; bf16 = bf16 params, fp32 gradient reduction "
                         "(default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--graph", choices=["none", "layer"], default="none",
+                   help="layer: every transformer block runs as a CUDA graph (GPU only)")
     p.add_argument("--data", choices=["synthetic", "text"], default=None,
                    help="text: built-in corpus, byte tokens (needs vocab >= 256); synthetic: uniform random "
                         "tokens, nothing to learn, for throughput (default: text for tiny, synthetic otherwise)")
@@ -199,6 +201,11 @@ def main() -> None:
     ]
     optimizer = torch.optim.AdamW(param_groups, lr=args.lr, betas=(0.9, 0.95))
 
+    if args.graph == "layer":
+        # Each block's forward and backward become CUDA graphs; unshard/reshard stay eager.
+        sample = torch.randn(args.batch_size, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
+        fsdp_graph.graph_modules(list(model.blocks), [(sample,)] * len(model.blocks))
+
     batches = Batches(data, cfg, args.batch_size, args.seed + dist.rank, device)
     tokens_per_step = args.batch_size * cfg.seq_len * dist.world_size  # global
 
@@ -258,8 +265,9 @@ def main() -> None:
     if is_main:
         elapsed = time.perf_counter() - run_start if run_start is not None else 0.0
         tok_s = tokens_per_step * (args.steps - 1) / elapsed if elapsed > 0 else last_tok_s
-        print(f"final loss {last_loss:.4f} | {tok_s:.0f} tokens/s | world size {dist.world_size} "
-              f"| first loss {first_loss:.4f} | {args.steps} steps", flush=True)
+        ms = 1000 * elapsed / (args.steps - 1) if args.steps > 1 and elapsed > 0 else float("nan")
+        print(f"final loss {last_loss:.4f} | {tok_s:.0f} tokens/s | {ms:.1f} ms/step | graph {args.graph} "
+              f"| world size {dist.world_size} | first loss {first_loss:.4f} | {args.steps} steps", flush=True)
 
 
 def shutdown() -> None:
