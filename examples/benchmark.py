@@ -1,0 +1,435 @@
+"""Benchmark: how much faster is a training step than with FSDP2, at what memory? One run, side by side.
+
+    torchrun --nproc-per-node 2 examples/benchmark.py --config small medium --out bench/
+    torchrun --nproc-per-node 2 examples/benchmark.py --smoke --out /tmp/bench   # CPU/gloo, tiny (CI)
+    python examples/benchmark.py --plot bench/results.json                       # chart elsewhere
+
+Every system trains the same GPT (untied embeddings, examples/gpt.py) from the same seed on the
+same batches with AdamW, bf16 compute and fp32 gradient reduction:
+
+  fsdp2_eager        torch.distributed.fsdp.fully_shard per block and on the root
+  fsdp2_full_graph   the same, forward+backward captured as one CUDA graph, optimizer step outside
+  ours_eager         fsdp_graph.fully_shard per block and on the root
+  ours_layer_graphs  the same, every block graphed with fsdp_graph.graph_modules
+  floor              the unsharded model's forward+backward as one graph on one GPU: no
+                     communication, no optimizer; the time a step cannot beat
+
+A step is forward, backward and optimizer step (floor: forward and backward), timed between two
+device synchronisations; the first --warmup steps are not timed. Each system's losses over all
+steps are compared with ours_eager's. Outputs in --out: results.json (one record per config and
+system), results.md (a table), step_time.png (if matplotlib is installed; else use --plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+_EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _EXAMPLES_DIR)
+sys.path.insert(1, os.path.dirname(_EXAMPLES_DIR))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import fsdp_graph  # noqa: E402
+from gpt import CONFIGS, GPT, GPTConfig  # noqa: E402
+from hot_path import HotPathTimer  # noqa: E402
+
+SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "floor")
+GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "floor")
+LOSS_RTOL = 1e-2  # bf16 compute: different reduction orders drift apart by far less than this
+LR = 3e-4
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    model: GPTConfig
+    micro_batch: int  # sequences per GPU per step
+
+
+PRESETS = {
+    "small": BenchConfig("small", replace(CONFIGS["small"], tie_embeddings=False), 4),
+    "medium": BenchConfig("medium", replace(CONFIGS["medium"], tie_embeddings=False), 4),
+    "smoke": BenchConfig("smoke", GPTConfig(256, 64, 4, 2, 64, tie_embeddings=False), 2),
+}
+
+
+@dataclass
+class Env:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+# -- model, data, optimizer (identical for every system) ---------------------------------
+def build_model(bench: BenchConfig, env: Env) -> GPT:
+    torch.manual_seed(0)
+    return GPT(bench.model).to(env.device)
+
+
+def make_batches(bench: BenchConfig, env: Env, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Step i's global batch, this rank's part, already on the device (no copies in the timing)."""
+    cfg, out = bench.model, []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, cfg.vocab_size, (bench.micro_batch * env.world_size, cfg.seq_len), generator=g)
+        targets = (idx * 7 + 3) % cfg.vocab_size  # learnable: losses fall, so comparing them means something
+        out.append((idx.chunk(env.world_size)[env.rank].to(env.device), targets.chunk(env.world_size)[env.rank].to(env.device)))
+    return out
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def train_step(model, opt, set_to_none: bool = True) -> Callable:
+    def step(idx, targets):
+        _, loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        return loss
+
+    return step
+
+
+# -- the systems: each returns step(idx, targets) -> loss ----------------------------------
+def fsdp2_sharded(bench: BenchConfig, env: Env) -> GPT:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build_model(bench, env)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def ours_sharded(bench: BenchConfig, env: Env) -> GPT:
+    model = build_model(bench, env)
+    policy = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fsdp_graph.fully_shard(block, mp_policy=policy)
+    return fsdp_graph.fully_shard(model, mp_policy=policy)
+
+
+def fsdp2_eager(bench, env, batches, warmup):
+    model = fsdp2_sharded(bench, env)
+    return train_step(model, make_optimizer(model))
+
+
+def ours_eager(bench, env, batches, warmup):
+    model = ours_sharded(bench, env)
+    return train_step(model, make_optimizer(model))
+
+
+def ours_layer_graphs(bench, env, batches, warmup):
+    model = ours_sharded(bench, env)
+    cfg = bench.model
+    sample = torch.randn(bench.micro_batch, cfg.seq_len, cfg.d_model, device=env.device, requires_grad=True)
+    fsdp_graph.graph_modules(list(model.blocks), [(sample,)] * len(model.blocks))
+    return train_step(model, make_optimizer(model))
+
+
+def whole_graph_step(forward_backward: Callable, batches, warmup: int, after: Callable, eager_steps: Callable):
+    """Warm-up steps run eagerly on a side stream (they are real steps), then forward+backward
+    is captured once; each later step copies its batch into the static inputs and replays."""
+    static_idx, static_targets = (t.clone() for t in batches[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager_steps(side)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = forward_backward(static_idx, static_targets)
+
+    def step(idx, targets):
+        static_idx.copy_(idx)
+        static_targets.copy_(targets)
+        graph.replay()
+        after()
+        return static_loss
+
+    return step
+
+
+def fsdp2_full_graph(bench, env, batches, warmup):
+    model = fsdp2_sharded(bench, env)
+    opt = make_optimizer(model)
+
+    def forward_backward(idx, targets):
+        _, loss = model(idx, targets)
+        loss.backward()
+        return loss
+
+    def after():
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # the graph adds into these gradient tensors
+
+    warm = train_step(model, opt, set_to_none=False)
+    state = {"losses": []}
+
+    def eager_steps(_):
+        for i in range(warmup):
+            state["losses"].append(warm(*batches[i]).detach())
+
+    step = whole_graph_step(forward_backward, batches, warmup, after, eager_steps)
+    step.warm_losses = state["losses"]
+    return step
+
+
+def floor(bench, env, batches, warmup):
+    model = build_model(bench, env).to(torch.bfloat16)
+
+    def forward_backward(idx, targets):
+        _, loss = model(idx, targets)
+        loss.backward()
+        return loss
+
+    def eager_steps(_):
+        for i in range(warmup):
+            forward_backward(*batches[i])
+
+    step = whole_graph_step(forward_backward, batches, warmup, lambda: None, eager_steps)
+    step.warm_losses = None  # no optimizer: its losses are not comparable
+    return step
+
+
+BUILDERS = {name: globals()[name] for name in SYSTEMS}
+
+
+# -- measuring ------------------------------------------------------------------------------
+def param_count(bench: BenchConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(bench.model).parameters())
+
+
+def synchronize(env: Env) -> None:
+    if env.cuda:
+        torch.cuda.synchronize()
+
+
+def max_over_ranks(value: float, env: Env) -> float:
+    if env.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, hot_path: bool) -> dict:
+    batches = make_batches(bench, env, warmup + steps)
+    if env.cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    step = BUILDERS[system](bench, env, batches, warmup)
+    losses = list(getattr(step, "warm_losses", None) or [])
+    first = len(losses) if system in ("fsdp2_full_graph", "floor") else 0  # warm-up already ran inside
+    times, host = [], []
+    for i in range(first, warmup + steps):
+        synchronize(env)
+        t0 = time.perf_counter()
+        loss = step(*batches[i])
+        t1 = time.perf_counter()
+        synchronize(env)
+        t2 = time.perf_counter()
+        losses.append(loss.detach().clone())
+        if i >= warmup:
+            times.append(t2 - t0)
+            host.append(t1 - t0)
+    timer = None
+    if hot_path and system.startswith("ours"):
+        timer = HotPathTimer()  # on extra steps: its own overhead stays out of the timings above
+        timer.start()
+        for i in range(5):
+            step(*batches[warmup + i % steps])
+        synchronize(env)
+        timer.stop()
+    step_ms = max_over_ranks(statistics.median(times) * 1e3, env)
+    tokens = bench.micro_batch * bench.model.seq_len * env.world_size
+    record = {
+        "config": bench.name,
+        "system": system,
+        "world_size": env.world_size,
+        "device": torch.cuda.get_device_name() if env.cuda else "cpu",
+        "torch": torch.__version__,
+        "params_m": round(param_count(bench) / 1e6, 1),
+        "micro_batch": bench.micro_batch,
+        "warmup_steps": warmup,
+        "timed_steps": steps,
+        "step_ms_median": step_ms,
+        "step_ms_min": max_over_ranks(min(times) * 1e3, env),
+        "step_ms_max": max_over_ranks(max(times) * 1e3, env),
+        "host_ms_median": max_over_ranks(statistics.median(host) * 1e3, env),
+        "tokens_per_s": tokens / (step_ms / 1e3),
+        "peak_mem_gib": max_over_ranks(torch.cuda.max_memory_allocated() / 2**30, env) if env.cuda else None,
+        "losses": [float(x) for x in losses] if system != "floor" else None,
+    }
+    if timer is not None:
+        record["hot_path_us"] = timer.per_call_us()
+    del step, batches
+    gc.collect()
+    return record
+
+
+def compare_losses(records: list[dict]) -> None:
+    """Each system's losses against ours_eager's: bitwise equal, or within LOSS_RTOL."""
+    by_key = {(r["config"], r["system"]): r for r in records}
+    for r in records:
+        ref = by_key.get((r["config"], "ours_eager"))
+        if r.get("losses") is None or ref is None or ref.get("losses") is None:
+            r["losses_match_ours"] = None
+            continue
+        a, b = r["losses"], ref["losses"]
+        diff = max(abs(x - y) for x, y in zip(a, b))
+        rel = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+        r["loss_max_abs_diff_vs_ours"] = diff
+        r["losses_bitwise_equal_ours"] = a == b
+        r["losses_match_ours"] = len(a) == len(b) and rel <= LOSS_RTOL
+
+
+def add_ratios(records: list[dict]) -> None:
+    by_key = {(r["config"], r["system"]): r for r in records if r.get("step_ms_median")}
+    for r in records:
+        if not r.get("step_ms_median"):
+            continue
+        for base in ("fsdp2_eager", "fsdp2_full_graph", "floor"):
+            other = by_key.get((r["config"], base))
+            r[f"x_{base}"] = r["step_ms_median"] / other["step_ms_median"] if other else None
+
+
+# -- reporting ------------------------------------------------------------------------------
+def markdown(records: list[dict]) -> str:
+    def f(value, fmt):
+        return "–" if value is None else format(value, fmt)
+
+    lines = [
+        "| config | system | step ms (median, min–max) | host ms | tokens/s | peak GiB | × fsdp2_eager | × fsdp2_full_graph | × floor | losses vs ours_eager |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if r.get("skipped"):
+            lines.append(f"| {r['config']} | {r['system']} | skipped: {r['skipped']} | | | | | | | |")
+            continue
+        match = r.get("losses_match_ours")
+        match_text = "–" if match is None else (
+            "bitwise" if r.get("losses_bitwise_equal_ours") else f"{'yes' if match else 'NO'} (max |Δ| {r['loss_max_abs_diff_vs_ours']:.2g})"
+        )
+        lines.append(
+            f"| {r['config']} | {r['system']} | {r['step_ms_median']:.2f} ({r['step_ms_min']:.2f}–{r['step_ms_max']:.2f}) "
+            f"| {r['host_ms_median']:.2f} | {r['tokens_per_s']:,.0f} | {f(r['peak_mem_gib'], '.2f')} "
+            f"| {f(r.get('x_fsdp2_eager'), '.2f')} | {f(r.get('x_fsdp2_full_graph'), '.2f')} | {f(r.get('x_floor'), '.2f')} | {match_text} |"
+        )
+    for r in records:
+        if r.get("hot_path_us"):
+            lines += ["", f"Host time per call, {r['config']} / {r['system']} (--hot-path, extra steps):", "",
+                      "| step | calls | µs per call |", "|---|---|---|"]
+            lines += [f"| {label} | {v['calls']} | {v['us_per_call']:.1f} |" for label, v in r["hot_path_us"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (run `python examples/benchmark.py --plot results.json` where it is)")
+        return False
+    measured = [r for r in records if r.get("step_ms_median")]
+    configs = list(dict.fromkeys(r["config"] for r in measured))
+    fig, axes = plt.subplots(1, len(configs), figsize=(5 * len(configs), 4), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        rows = [r for r in measured if r["config"] == config]
+        ax.bar([r["system"] for r in rows], [r["step_ms_median"] for r in rows],
+               yerr=[[r["step_ms_median"] - r["step_ms_min"] for r in rows], [r["step_ms_max"] - r["step_ms_median"] for r in rows]],
+               color=["#888" if r["system"].startswith("fsdp2") else "#2a7" if r["system"].startswith("ours") else "#ccc" for r in rows])
+        ax.set_title(f"{config} ({rows[0]['world_size']} x {rows[0]['device']})", fontsize=9)
+        ax.set_ylabel("step time, ms (median; bars: min–max)")
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+# -- main ---------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", nargs="+", default=["small"], help="presets (small, medium) or custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per system")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 1 warm-up and 3 timed steps (CPU/gloo in CI)")
+    p.add_argument("--hot-path", action="store_true", help="also time our per-layer hooks and replays (adds overhead)")
+    p.add_argument("--out", default="bench")
+    p.add_argument("--plot", metavar="RESULTS_JSON", help="only draw the chart from an earlier run's results")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.config, args.warmup, args.steps = ["smoke"], 1, 3
+    return args
+
+
+def bench_config(text: str) -> BenchConfig:
+    if text in PRESETS:
+        return PRESETS[text]
+    if text.startswith("custom:"):
+        vocab, d, heads, layers, seq, mb = (int(v) for v in text[len("custom:"):].split(","))
+        return BenchConfig(text, GPTConfig(vocab, d, heads, layers, seq, tie_embeddings=False), mb)
+    raise SystemExit(f"unknown config {text!r}: use {sorted(PRESETS)} or custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.plot:
+        with open(args.plot) as fh:
+            records = json.load(fh)
+        path = os.path.join(os.path.dirname(args.plot) or ".", "step_time.png")
+        if plot(records, path):
+            print(f"wrote {path}")
+        return
+    info = fsdp_graph.init_distributed()
+    env = Env(info.rank, info.world_size, info.device)
+    records = []
+    for config in args.config:
+        bench = bench_config(config)
+        for system in args.systems:
+            if system in GRAPH_SYSTEMS and not env.cuda:
+                records.append({"config": bench.name, "system": system, "skipped": "CUDA graphs need a GPU"})
+                continue
+            if info.is_main:
+                print(f"[{bench.name}] {system} ...", flush=True)
+            records.append(measure(system, bench, env, args.warmup, args.steps, args.hot_path))
+            if env.world_size > 1:
+                dist.barrier()
+    compare_losses(records)
+    add_ratios(records)
+    if info.is_main:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as fh:
+            json.dump(records, fh, indent=1)
+        table = markdown(records)
+        with open(os.path.join(args.out, "results.md"), "w") as fh:
+            fh.write(table)
+        print(table)
+        plot(records, os.path.join(args.out, "step_time.png"))
+    if dist.is_initialized():
+        time.sleep(0.05)  # gloo shutdown race, see train_gpt.py
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
