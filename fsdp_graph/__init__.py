@@ -17,7 +17,7 @@ from .capture import make_graphed_callables
 from .clip_grad import clip_grad_norm_
 from .distributed import DistInfo, init_distributed
 from .fully_shard import FSDPModule, fully_shard
-from .graph_modules import graph_modules, select_modules
+from .module_graphs import graph_modules, select_modules
 from .graphed_callable import GraphedCallable
 from .hooks import (
     BACKWARD_PRE_SENTINEL,

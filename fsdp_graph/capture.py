@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
-from .graphed_callable import CapturedCall, GraphedCallable, describe_signature
+from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, _autocast_state, describe_signature
 
 HOOK_KEYS = ("pre_forward", "forward", "pre_backward", "backward")
 MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -159,21 +159,30 @@ def _forward(call: _Callable, graph=None, pool=None, stream=None) -> _ForwardPas
 
 
 def _differentiable(fwd: _ForwardPass) -> tuple[list, list]:
-    outputs = [o for o in tree_flatten(fwd.outputs)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
-    inputs = [x for x in fwd.leaves if isinstance(x, torch.Tensor) and x.requires_grad]
-    inputs += [p for p in fwd.params if p.requires_grad]
-    return outputs, inputs
+    """Output tensors and input tensors/parameters that take part in backward (by position:
+    an output returned twice gets a gradient buffer per position)."""
+    outputs = [o for o in tree_flatten(fwd.outputs)[0] if isinstance(o, torch.Tensor)]
+    inputs = [x for x in fwd.leaves if isinstance(x, torch.Tensor)] + list(fwd.params)
+    return [i for i, o in enumerate(outputs) if o.requires_grad], [i for i, x in enumerate(inputs) if x.requires_grad]
+
+
+def _tensors(fwd: _ForwardPass) -> tuple[list, list]:
+    outputs = [o for o in tree_flatten(fwd.outputs)[0] if isinstance(o, torch.Tensor)]
+    return outputs, [x for x in fwd.leaves if isinstance(x, torch.Tensor)] + list(fwd.params)
 
 
 def _backward(call: _Callable, fwd: _ForwardPass, graph=None, pool=None, stream=None):
     """Returns (grad_outputs, grads) for the differentiable outputs and inputs, or None."""
     call.run_backward_hooks("pre_backward")
-    outputs, inputs = _differentiable(fwd)
+    out_positions, in_positions = _differentiable(fwd)
+    outputs, inputs = _tensors(fwd)
     result = None
-    if outputs and inputs:
-        grad_outputs = [torch.zeros_like(o) for o in outputs]  # static, allocated outside the capture
+    if out_positions and in_positions:
+        grad_outputs = [torch.zeros_like(outputs[i]) for i in out_positions]  # static, allocated outside the capture
         with _capturing(graph, pool, stream):
-            grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+            grads = torch.autograd.grad(
+                [outputs[i] for i in out_positions], [inputs[i] for i in in_positions], grad_outputs, allow_unused=True
+            )
         result = (grad_outputs, grads)
     call.run_backward_hooks("backward")
     return result
@@ -181,15 +190,14 @@ def _backward(call: _Callable, fwd: _ForwardPass, graph=None, pool=None, stream=
 
 def _captured_call(call: _Callable, fwd: _ForwardPass, backward) -> CapturedCall:
     out_leaves, out_spec = tree_flatten(fwd.outputs)
-    grad_outputs, grads = backward if backward is not None else ([], [])
-    grad_of = {}
-    differentiable_outputs, differentiable_inputs = _differentiable(fwd)
-    for o, g in zip(differentiable_outputs, grad_outputs):
-        grad_of[("out", id(o))] = g
-    for x, g in zip(differentiable_inputs, grads):
-        grad_of[("in", id(x))] = g
-    out_tensors = [o for o in out_leaves if isinstance(o, torch.Tensor)]
-    in_tensors = [x for x in fwd.leaves if isinstance(x, torch.Tensor)]
+    outputs, inputs = _tensors(fwd)
+    static_grad_outputs, static_grad_inputs = [None] * len(outputs), [None] * len(inputs)
+    if backward is not None:
+        out_positions, in_positions = _differentiable(fwd)
+        for i, g in zip(out_positions, backward[0]):
+            static_grad_outputs[i] = g
+        for i, g in zip(in_positions, backward[1]):
+            static_grad_inputs[i] = g
     return CapturedCall(
         name=call.name,
         input_spec=fwd.spec,
@@ -205,8 +213,9 @@ def _captured_call(call: _Callable, fwd: _ForwardPass, backward) -> CapturedCall
         param_places=fwd.param_places,
         fwd_graph=call.fwd_graph,
         bwd_graph=call.bwd_graph if backward is not None else None,
-        static_grad_outputs=[grad_of.get(("out", id(o))) if backward is not None else None for o in out_tensors],
-        static_grad_inputs=[grad_of.get(("in", id(x))) for x in in_tensors + fwd.params],
+        static_grad_outputs=static_grad_outputs,
+        static_grad_inputs=static_grad_inputs,
+        autocast=_autocast_state(),
         training=call.module.training if call.module is not None else None,
     )
 
@@ -221,6 +230,24 @@ def _gc_paused():
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _hook_problems(module: nn.Module) -> list[str]:
+    """Hooks a capture would bake in: on submodules (their Python would never run again) and
+    global module hooks. A tensor hook on a parameter would run inside the captured backward
+    and again when the gradient is accumulated at replay."""
+    problems = [
+        f"'{name}' has {attr}" for name, sub in module.named_modules() if sub is not module
+        for attr in MODULE_HOOK_DICTS if getattr(sub, attr)
+    ]
+    from torch.nn.modules import module as module_mod
+
+    problems += [f"global {attr}" for attr in ("_global_forward_pre_hooks", "_global_forward_hooks",
+                                               "_global_backward_pre_hooks", "_global_backward_hooks")
+                 if getattr(module_mod, attr, None)]
+    problems += [f"parameter '{name}' has a tensor hook (register_hook)" for name, p in module.named_parameters()
+                 if getattr(p, "_backward_hooks", None)]
+    return problems
 
 
 def _check_arguments(modules: list, sample_args, sample_kwargs, num_warmup_iters: int) -> tuple[list, list]:
@@ -238,6 +265,14 @@ def _check_arguments(modules: list, sample_args, sample_kwargs, num_warmup_iters
                     f"modules[{i}] ({type(fn).__name__}) has hooks registered ({', '.join(hooked)}); capturing "
                     "would bake them into the graph. Use fsdp_graph.graph_modules, which moves them to "
                     "capture-time hooks, or remove them and pass them as capture_time_hooks."
+                )
+            problems = _hook_problems(fn)
+            if problems:
+                raise ValueError(
+                    f"modules[{i}] ({type(fn).__name__}): {'; '.join(problems)}. A graph replays kernels, not Python: "
+                    "such hooks would run at capture only, or twice per replay. Remove them before capture, "
+                    "register them on the graphed module itself (graph_modules runs those eagerly), or use "
+                    "register_post_accumulate_grad_hook on parameters."
                 )
     if len({id(fn) for fn in modules}) != len(modules):
         raise ValueError("make_graphed_callables: a callable appears twice; capture each one once")
@@ -289,7 +324,7 @@ def make_graphed_callables(
     ``capture_time_hooks``; ``pre_warmup_hook`` and ``post_warmup_hook`` run once around the
     warm-up.
     """
-    single = callable(modules) and not isinstance(modules, (list, tuple, nn.ModuleList, nn.Sequential))
+    single = not isinstance(modules, (list, tuple))
     if single:
         modules, sample_args = [modules], [sample_args]
         sample_kwargs = None if sample_kwargs is None else [sample_kwargs]
@@ -338,7 +373,8 @@ def capture_callables(
         for i in reversed(range(len(calls))):
             backwards[i] = _backward(calls[i], passes[i], calls[i].bwd_graph, pool, stream)
     torch.cuda.current_stream().wait_stream(stream)
+    group = CaptureGroup()
     return [
-        GraphedCallable(_captured_call(call, fwd, bwd), eager=e, module=call.module)
+        GraphedCallable(_captured_call(call, fwd, bwd), eager=e, module=call.module, group=group)
         for call, fwd, bwd, e in zip(calls, passes, backwards, eager)
     ]

@@ -51,14 +51,41 @@ class CapturedCall:
     static_grad_outputs: list  # per output tensor: its static gradient, None if not differentiable
     static_grad_inputs: list  # per input tensor then per parameter: static gradient or None
     training: bool | None  # the module's mode at capture (None for plain callables)
+    autocast: tuple = (False, None)  # (enabled, dtype) at capture: kernels were chosen under it
+
+
+class CaptureGroup:
+    """The callables captured together into one memory pool, in capture order.
+
+    Backward graphs were captured in reverse order, each free to reuse memory that the
+    activations of the backwards captured before it occupied. So a backward may only replay
+    when no callable captured *after* it still awaits its own backward."""
+
+    def __init__(self) -> None:
+        self.members: list[GraphedCallable] = []
+
+    def check_backward_order(self, runner: GraphedCallable) -> None:
+        for later in self.members[runner.index + 1 :]:
+            if later.backward_pending():
+                raise RuntimeError(
+                    f"graphed {runner.name}: its backward runs before the backward of {later.name}, which was "
+                    "captured after it into the same memory pool and whose saved activations it may overwrite. "
+                    "Capture modules in the order their forwards run (pass them to graph_modules in "
+                    "execution order), or capture them in separate calls."
+                )
 
 
 class GraphedCallable:
     """Callable returned by ``make_graphed_callables``; ``graph_modules`` installs it as the
     module's ``forward``. A module whose training mode differs from capture runs ``eager``."""
 
-    def __init__(self, captured: CapturedCall, eager: Callable | None = None, module: nn.Module | None = None) -> None:
+    def __init__(self, captured: CapturedCall, eager: Callable | None = None, module: nn.Module | None = None,
+                 group: CaptureGroup | None = None) -> None:
         c = captured
+        self.group = group or CaptureGroup()
+        self.index = len(self.group.members)
+        self.group.members.append(self)
+        self.replays = 0  # forward replays so far
         self.name = c.name
         self.captured = c
         self.eager = eager
@@ -78,11 +105,18 @@ class GraphedCallable:
         ]
         self._has_backward = c.bwd_graph is not None
         self._pending: weakref.ref | None = None  # the autograd node of a forward awaiting its backward
+        self._output_versions: list[int] = []
 
     # -- the call ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self.eager is not None and self.module is not None and self.module.training != self.captured.training:
             return self.eager(*args, **kwargs)  # the graphs hold the other mode's kernels (dropout)
+        if _autocast_state() != self.captured.autocast:
+            raise RuntimeError(
+                f"graphed {self.name}: autocast is {_autocast_state()} but was {self.captured.autocast} at capture; "
+                "the graph replays the kernels (and dtypes) chosen then. Call it under the same autocast "
+                "setting, or capture again."
+            )
         inputs = self._live_inputs(args, kwargs)
         self._check_params()
         self._check_no_pending_backward()
@@ -149,8 +183,11 @@ class GraphedCallable:
                     "capture again."
                 )
 
+    def backward_pending(self) -> bool:
+        return self._pending is not None and self._pending() is not None
+
     def _check_no_pending_backward(self) -> None:
-        if self._pending is not None and self._pending() is not None:
+        if self.backward_pending():
             raise RuntimeError(
                 f"graphed {self.name}: forward called again while the previous forward's backward is still "
                 "pending. Its activations live in the graph's static buffers and would be overwritten. Run "
@@ -164,7 +201,18 @@ class GraphedCallable:
                 f"graphed {self.name}: backward without a matching forward (backward run twice for one "
                 "forward, e.g. retain_graph=True). A graphed forward supports exactly one backward."
             )
+        if any(o._version != v for o, v in zip(self.static_outputs, self._output_versions)):
+            raise RuntimeError(
+                f"graphed {self.name}: an output was modified in place after the forward; the backward graph "
+                "may read it (as eager autograd would refuse). Clone the output before modifying it."
+            )
+        self.group.check_backward_order(self)
         self._pending = None
+
+
+def _autocast_state() -> tuple:
+    enabled = torch.is_autocast_enabled("cuda")
+    return enabled, torch.get_autocast_dtype("cuda") if enabled else None
 
 
 def describe_signature(args: tuple, kwargs: dict) -> str:
@@ -180,8 +228,10 @@ class _Replay(torch.autograd.Function):
             if live.data_ptr() != static.data_ptr():
                 static.copy_(live)
         runner.captured.fwd_graph.replay()
+        runner.replays += 1
         if track:
             runner._pending = weakref.ref(ctx)
+            runner._output_versions = [o._version for o in runner.static_outputs]
         outputs = tuple(o.detach() for o in runner.static_outputs)
         if runner._non_differentiable:
             ctx.mark_non_differentiable(*(outputs[i] for i in runner._non_differentiable))

@@ -100,6 +100,10 @@ class RootContext:
         """Unit steps run by graph warm-up and capture are no training step: afterwards every unit
         is idle with nothing prefetched, and the recorded execution order and all gradients are
         as before (also when capture fails)."""
+        # Capture unshards only the graphed units, in list order: slots taken then would not
+        # alternate in execution order. Take them in module order (a stack's forward order) first.
+        for unit in self.units:
+            unit.bind_slot()
         order = (list(self.forward_order), list(self.backward_order), self._next_forward, self._next_backward)
         grads = [unit.grad_state() for unit in self.units]
         try:

@@ -193,6 +193,11 @@ class FSDPUnit:
         if placement is Placement.DYNAMIC:
             self._free_dynamic()
 
+    def bind_slot(self) -> None:
+        """Take this unit's slot now (normally taken at its first unshard, in execution order)."""
+        if self.placement is Placement.SLOT and self._buffers is None:
+            self._bind(self._pool.assign())
+
     def _allocate(self) -> FlatBuffers:
         n = self.layout.padded_numel
         return FlatBuffers.allocate(n, n // self.world_size, self.compute_dtype, self.reduce_dtype, self.device)

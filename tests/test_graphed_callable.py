@@ -172,3 +172,29 @@ def test_replaced_parameter_is_refused():
     module.lin.weight = nn.Parameter(torch.zeros(3, 3))
     with pytest.raises(RuntimeError, match="parameter 'lin.weight' is not the tensor the graph was captured with"):
         graphed(torch.randn(2, 3, requires_grad=True))
+
+
+def test_output_modified_in_place_before_backward_is_refused():
+    _, graphed, _ = _graphed()
+    out = graphed(torch.randn(2, 3, requires_grad=True))
+    with torch.no_grad():
+        out.mul_(2)
+    with pytest.raises(RuntimeError, match="output was modified in place"):
+        out.sum().backward()
+
+
+def test_backwards_must_run_in_reverse_capture_order_within_one_pool():
+    first, second = Scaled(), Scaled()
+    graphed_first, _ = emulated(first, (torch.randn(2, 3, requires_grad=True),))
+    graphed_second, _ = emulated(second, (torch.randn(2, 3, requires_grad=True),))
+    group = graphed_first.group  # as make_graphed_callables groups callables captured together
+    graphed_second.group, graphed_second.index = group, 1
+    group.members.append(graphed_second)
+    a = graphed_first(torch.randn(2, 3, requires_grad=True))
+    b = graphed_second(torch.randn(2, 3, requires_grad=True))
+    with pytest.raises(RuntimeError, match="captured after it into the same memory pool"):
+        a.sum().backward()
+    b.sum().backward()  # reverse capture order: fine
+    a.sum().backward()
+    graphed_first(torch.randn(2, 3, requires_grad=True)).sum().backward()  # the second one has nothing pending
+    assert graphed_first.replays == 2 and graphed_second.replays == 1

@@ -72,6 +72,28 @@ def test_graphed_plain_modules_match_eager_bitwise_over_training_steps():
         assert torch.equal(p, q)
 
 
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y  # one tensor, two outputs: each gets its own gradient
+
+
+def test_an_output_returned_twice_gets_both_gradients():
+    twice, ref = _pair(Twice)
+    graphed = fsdp_graph.make_graphed_callables(twice, (torch.randn(4, 64, device=DEVICE, requires_grad=True),))
+    x = torch.randn(4, 64, device=DEVICE, requires_grad=True)
+    a, b = graphed(x)
+    (a.square().sum() + 3 * b.sum()).backward()
+    ra, rb = ref(x.detach())
+    (ra.square().sum() + 3 * rb.sum()).backward()
+    for p, q in zip(twice.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_two_micro_batches_accumulate_like_eager():
     mlp, ref = _pair(MLP)
     graphed = fsdp_graph.make_graphed_callables(mlp, (torch.randn(4, 64, device=DEVICE, requires_grad=True),))

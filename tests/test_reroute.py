@@ -210,6 +210,8 @@ def test_without_cuda_graphing_is_a_clear_error():
         fsdp_graph.graph_modules([nn.Linear(2, 2)], [(torch.zeros(1, 2),)])
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         fsdp_graph.make_graphed_callables([nn.Linear(2, 2)], [(torch.zeros(1, 2),)])
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):  # one Sequential is one callable
+        fsdp_graph.make_graphed_callables(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), (torch.zeros(1, 2),))
 
 
 def test_make_graphed_callables_checks_its_arguments_first():
@@ -240,3 +242,59 @@ def test_hooks_on_submodules_of_a_graphed_module_are_refused():
     handle.remove()
     outer(torch.ones(1, 2))
     assert calls == ["kept", "outer", "outer"]
+
+
+def test_make_graphed_callables_refuses_hooks_a_capture_would_bake_in():
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    seq[0].register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="'0' has _forward_hooks.*run at capture only"):
+        fsdp_graph.make_graphed_callables([seq], [(torch.zeros(1, 2),)])
+    lin = nn.Linear(2, 2)
+    lin.weight.register_hook(lambda g: g * 2)
+    with pytest.raises(ValueError, match="parameter 'weight' has a tensor hook.*register_post_accumulate_grad_hook"):
+        fsdp_graph.make_graphed_callables([lin], [(torch.zeros(1, 2),)])
+
+
+def test_capture_binds_slots_in_module_order():
+    """Graphing a subset before the first step must not let the capture's unshard order decide
+    which blocks share a slot: neighbours alternate, as in training."""
+    model = _sharded_tiny_lm_with(n_blocks=4)
+    units = [b.fsdp_unit for b in model.blocks]
+    with units[0].ensure_root_ctx().outside_training_step():
+        units[3].pre_forward()  # capture of blocks[3] only, say
+        units[3].post_forward()
+    slots = [u._buffers for u in units]
+    assert slots[0] is slots[2] and slots[1] is slots[3] and slots[0] is not slots[1]
+
+
+def _sharded_tiny_lm_with(**kwargs) -> TinyLM:
+    fsdp_graph.init_distributed()
+    model = TinyLM(**kwargs)
+    for block in model.blocks:
+        fsdp_graph.fully_shard(block)
+    return fsdp_graph.fully_shard(model)
+
+
+def test_graph_modules_puts_hooks_and_fsdp_state_back_when_capture_fails(monkeypatch):
+    import fsdp_graph.module_graphs as gm
+
+    model = _sharded_tiny_lm()
+    block = model.blocks[1]
+    before = {attr: (getattr(block, attr), list(getattr(block, attr))) for attr in HOOK_DICTS}
+
+    def failing_capture(modules, names, sample_args, sample_kwargs, warmup, hooks, *rest):
+        (x,) = sample_args[0]
+        args, kwargs = (x,), {}
+        for fn in hooks[0]["pre_forward"].values():  # unshard, as a capture would, then fail mid-way
+            args, kwargs = fn(modules[0], args, kwargs) or (args, kwargs)
+        raise RuntimeError("CUDA error during capture")
+
+    monkeypatch.setattr(gm, "require_cuda", lambda what: None)
+    monkeypatch.setattr(gm, "capture_callables", failing_capture)
+    with pytest.raises(RuntimeError, match="CUDA error during capture"):
+        fsdp_graph.graph_modules([block], [(torch.randn(2, 8, 10),)])
+    for attr, (obj, ids) in before.items():
+        assert getattr(block, attr) is obj and list(obj) == ids
+    assert block.fsdp_unit.state is TrainingState.IDLE and not block.fsdp_unit.graphed
+    assert all(p.dim() == 1 and p.grad is None for p in block.parameters())  # masters back in place
+    assert not isinstance(block.__dict__.get("forward"), fsdp_graph.GraphedCallable)
