@@ -134,8 +134,9 @@ class _ForwardPass:
     args: tuple
     kwargs: dict
     outputs: Any
-    params: list[nn.Parameter]
+    params: list[nn.Parameter]  # what the forward read: stand-ins sharing the parameters' memory
     param_places: list
+    real_params: list[nn.Parameter]  # the module's parameters, which autograd sees at replay
 
 
 def _capturing(graph, pool, stream):
@@ -152,10 +153,21 @@ def _forward(call: _Callable, graph=None, pool=None, stream=None) -> _ForwardPas
     args, kwargs = tree_unflatten(leaves, spec)
     # After the pre-forward hooks: FSDP has swapped its persistent unsharded parameters in.
     params, places = call.parameters(), call.parameter_places()
-    with _capturing(graph, pool, stream):
-        outputs = call.fn(*args, **kwargs)
+    # Capture differentiates stand-ins that share the parameters' memory (the graph reads the
+    # same addresses), not the parameters: their AccumulateGrad nodes may be alive from eager
+    # steps, bound to another stream (a sync that breaks capture), and their tensor hooks must
+    # run once, at replay, not inside the graph.
+    stand_ins = {id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in params}
+    for holder, attr, _, p in places:
+        holder[attr] = stand_ins[id(p)]
+    try:
+        with _capturing(graph, pool, stream):
+            outputs = call.fn(*args, **kwargs)
+    finally:
+        for holder, attr, _, p in places:
+            holder[attr] = p
     call.run_forward(args, outputs)
-    return _ForwardPass(spec, leaves, args, kwargs, outputs, params, places)
+    return _ForwardPass(spec, leaves, args, kwargs, outputs, [stand_ins[id(p)] for p in params], places, params)
 
 
 def _differentiable(fwd: _ForwardPass) -> tuple[list, list]:
@@ -209,7 +221,7 @@ def _captured_call(call: _Callable, fwd: _ForwardPass, backward) -> CapturedCall
         # Detached: the capture's autograd graph (and the AccumulateGrad nodes it made on the
         # side stream) must not outlive the capture, or replays would sync with that stream.
         output_leaves=[o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves],
-        params=fwd.params,
+        params=fwd.real_params,
         param_places=fwd.param_places,
         fwd_graph=call.fwd_graph,
         bwd_graph=call.bwd_graph if backward is not None else None,
