@@ -45,6 +45,7 @@ from hot_path import HotPathTimer  # noqa: E402
 
 SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "floor")
 GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "floor")
+WHOLE_GRAPH_SYSTEMS = ("fsdp2_full_graph", "floor")
 LOSS_RTOL = 1e-2  # bf16 compute: different reduction orders drift apart by far less than this
 LR = 3e-4
 
@@ -127,12 +128,12 @@ def ours_sharded(bench: BenchConfig, env: Env) -> GPT:
 
 def fsdp2_eager(bench, env, batches, warmup):
     model = fsdp2_sharded(bench, env)
-    return train_step(model, make_optimizer(model))
+    return train_step(model, make_optimizer(model)), None
 
 
 def ours_eager(bench, env, batches, warmup):
     model = ours_sharded(bench, env)
-    return train_step(model, make_optimizer(model))
+    return train_step(model, make_optimizer(model)), None
 
 
 def ours_layer_graphs(bench, env, batches, warmup):
@@ -140,17 +141,18 @@ def ours_layer_graphs(bench, env, batches, warmup):
     cfg = bench.model
     sample = torch.randn(bench.micro_batch, cfg.seq_len, cfg.d_model, device=env.device, requires_grad=True)
     fsdp_graph.graph_modules(list(model.blocks), [(sample,)] * len(model.blocks))
-    return train_step(model, make_optimizer(model))
+    return train_step(model, make_optimizer(model)), None
 
 
-def whole_graph_step(forward_backward: Callable, batches, warmup: int, after: Callable, eager_steps: Callable):
-    """Warm-up steps run eagerly on a side stream (they are real steps), then forward+backward
-    is captured once; each later step copies its batch into the static inputs and replays."""
+def whole_graph_step(forward_backward: Callable, batches, warmup: int, eager_step: Callable, after: Callable):
+    """The first ``warmup`` steps run ``eager_step`` on a side stream (real, untimed steps), then
+    forward+backward is captured once; each later step copies its batch into the static inputs,
+    replays and runs ``after``. Returns (step, the warm-up losses)."""
     static_idx, static_targets = (t.clone() for t in batches[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        eager_steps(side)
+        warm_losses = [eager_step(*batches[i]).detach() for i in range(warmup)]
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -163,49 +165,35 @@ def whole_graph_step(forward_backward: Callable, batches, warmup: int, after: Ca
         after()
         return static_loss
 
-    return step
+    return step, warm_losses
+
+
+def forward_backward_of(model) -> Callable:
+    def forward_backward(idx, targets):
+        _, loss = model(idx, targets)
+        loss.backward()
+        return loss
+
+    return forward_backward
 
 
 def fsdp2_full_graph(bench, env, batches, warmup):
     model = fsdp2_sharded(bench, env)
     opt = make_optimizer(model)
 
-    def forward_backward(idx, targets):
-        _, loss = model(idx, targets)
-        loss.backward()
-        return loss
-
     def after():
         opt.step()
         opt.zero_grad(set_to_none=False)  # the graph adds into these gradient tensors
 
-    warm = train_step(model, opt, set_to_none=False)
-    state = {"losses": []}
-
-    def eager_steps(_):
-        for i in range(warmup):
-            state["losses"].append(warm(*batches[i]).detach())
-
-    step = whole_graph_step(forward_backward, batches, warmup, after, eager_steps)
-    step.warm_losses = state["losses"]
-    return step
+    eager_step = train_step(model, opt, set_to_none=False)
+    return whole_graph_step(forward_backward_of(model), batches, warmup, eager_step, after)
 
 
 def floor(bench, env, batches, warmup):
     model = build_model(bench, env).to(torch.bfloat16)
-
-    def forward_backward(idx, targets):
-        _, loss = model(idx, targets)
-        loss.backward()
-        return loss
-
-    def eager_steps(_):
-        for i in range(warmup):
-            forward_backward(*batches[i])
-
-    step = whole_graph_step(forward_backward, batches, warmup, lambda: None, eager_steps)
-    step.warm_losses = None  # no optimizer: its losses are not comparable
-    return step
+    forward_backward = forward_backward_of(model)
+    step, _ = whole_graph_step(forward_backward, batches, warmup, forward_backward, lambda: None)
+    return step, None  # no optimizer: its losses are not comparable
 
 
 BUILDERS = {name: globals()[name] for name in SYSTEMS}
@@ -235,9 +223,10 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
     if env.cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    step = BUILDERS[system](bench, env, batches, warmup)
-    losses = list(getattr(step, "warm_losses", None) or [])
-    first = len(losses) if system in ("fsdp2_full_graph", "floor") else 0  # warm-up already ran inside
+    # A system built with a whole-step graph ran its warm-up steps while building (warm_losses).
+    step, warm_losses = BUILDERS[system](bench, env, batches, warmup)
+    first = warmup if system in WHOLE_GRAPH_SYSTEMS else 0
+    losses = list(warm_losses or [])
     times, host = [], []
     for i in range(first, warmup + steps):
         synchronize(env)

@@ -170,17 +170,17 @@ def _forward(call: _Callable, graph=None, pool=None, stream=None) -> _ForwardPas
     return _ForwardPass(spec, leaves, args, kwargs, outputs, [stand_ins[id(p)] for p in params], places, params)
 
 
-def _differentiable(fwd: _ForwardPass) -> tuple[list, list]:
-    """Output tensors and input tensors/parameters that take part in backward (by position:
-    an output returned twice gets a gradient buffer per position)."""
-    outputs = [o for o in tree_flatten(fwd.outputs)[0] if isinstance(o, torch.Tensor)]
-    inputs = [x for x in fwd.leaves if isinstance(x, torch.Tensor)] + list(fwd.params)
-    return [i for i, o in enumerate(outputs) if o.requires_grad], [i for i, x in enumerate(inputs) if x.requires_grad]
-
-
 def _tensors(fwd: _ForwardPass) -> tuple[list, list]:
+    """Output tensors; input tensors then parameters (the stand-ins the capture differentiates)."""
     outputs = [o for o in tree_flatten(fwd.outputs)[0] if isinstance(o, torch.Tensor)]
     return outputs, [x for x in fwd.leaves if isinstance(x, torch.Tensor)] + list(fwd.params)
+
+
+def _differentiable(fwd: _ForwardPass) -> tuple[list, list]:
+    """Positions (in ``_tensors``) of the outputs and inputs that take part in backward: an
+    output returned twice gets a gradient buffer per position."""
+    outputs, inputs = _tensors(fwd)
+    return [i for i, o in enumerate(outputs) if o.requires_grad], [i for i, x in enumerate(inputs) if x.requires_grad]
 
 
 def _backward(call: _Callable, fwd: _ForwardPass, graph=None, pool=None, stream=None):

@@ -198,3 +198,18 @@ def test_backwards_must_run_in_reverse_capture_order_within_one_pool():
     a.sum().backward()
     graphed_first(torch.randn(2, 3, requires_grad=True)).sum().backward()  # the second one has nothing pending
     assert graphed_first.replays == 2 and graphed_second.replays == 1
+
+
+def test_replay_under_another_autocast_setting_is_refused():
+    _, graphed, graphs = _graphed()
+    graphed.captured.autocast = (True, torch.bfloat16)  # as if captured inside torch.autocast("cuda")
+    with pytest.raises(RuntimeError, match=r"autocast is \(False, None\) but was \(True, torch.bfloat16\) at capture"):
+        graphed(torch.randn(2, 3, requires_grad=True))
+    assert graphs.replays["forward"] == 0
+
+
+def test_capture_time_pre_forward_hook_must_return_args_and_kwargs():
+    bad = {"pre_forward": {0: lambda m, a, k: a}, "forward": {}, "pre_backward": {}, "backward": {}}
+    call = _Callable(Scaled(), "Scaled", (torch.zeros(1, 3),), {}, bad)
+    with pytest.raises(TypeError, match="pre_forward hook of Scaled must return None or \\(args, kwargs\\)"):
+        call.run_pre_forward((torch.zeros(1, 3),), {})

@@ -181,3 +181,20 @@ def test_sharding_a_graphed_module_is_refused():
     fsdp_graph.graph_modules([mlp], [(torch.randn(4, 64, device=DEVICE, requires_grad=True),)])
     with pytest.raises(ValueError, match="already graphed.*fully_shard on every unit and the root first"):
         fsdp_graph.fully_shard(mlp)
+
+
+def test_sample_inputs_must_be_on_the_gpu():
+    with pytest.raises(ValueError, match=r"sample input args\[0\] is on cpu; CUDA graphs need CUDA tensors"):
+        fsdp_graph.make_graphed_callables(MLP().to(DEVICE), (torch.randn(4, 64),))
+
+
+def test_sharding_the_root_after_its_blocks_were_graphed_is_refused():
+    from models import TinyLM
+
+    fsdp_graph.init_distributed()
+    model = TinyLM(n_blocks=2).to(DEVICE)
+    for block in model.blocks:
+        fsdp_graph.fully_shard(block)
+    fsdp_graph.graph_modules([model.blocks[0]], [(torch.randn(2, 8, 10, device=DEVICE, requires_grad=True),)])
+    with pytest.raises(ValueError, match=r"'blocks.0' \(FSDPBlock\) is already graphed.*then graph_modules"):
+        fsdp_graph.fully_shard(model)

@@ -164,9 +164,9 @@ def test_graph_modules_refuses_units_without_persistent_buffers():
             fsdp_graph.graph_modules([block.qkv], [(torch.randn(2, 4, 8),)])  # a module inside the unit
 
 
-def _sharded_tiny_lm() -> TinyLM:
+def _sharded_tiny_lm(**kwargs) -> TinyLM:
     fsdp_graph.init_distributed()
-    model = TinyLM()
+    model = TinyLM(**kwargs)
     for block in model.blocks:
         fsdp_graph.fully_shard(block)
     return fsdp_graph.fully_shard(model)
@@ -258,21 +258,13 @@ def test_make_graphed_callables_refuses_hooks_a_capture_would_bake_in():
 def test_capture_binds_slots_in_module_order():
     """Graphing a subset before the first step must not let the capture's unshard order decide
     which blocks share a slot: neighbours alternate, as in training."""
-    model = _sharded_tiny_lm_with(n_blocks=4)
+    model = _sharded_tiny_lm(n_blocks=4)
     units = [b.fsdp_unit for b in model.blocks]
     with units[0].ensure_root_ctx().outside_training_step():
         units[3].pre_forward()  # capture of blocks[3] only, say
         units[3].post_forward()
     slots = [u._buffers for u in units]
     assert slots[0] is slots[2] and slots[1] is slots[3] and slots[0] is not slots[1]
-
-
-def _sharded_tiny_lm_with(**kwargs) -> TinyLM:
-    fsdp_graph.init_distributed()
-    model = TinyLM(**kwargs)
-    for block in model.blocks:
-        fsdp_graph.fully_shard(block)
-    return fsdp_graph.fully_shard(model)
 
 
 def test_graph_modules_puts_hooks_and_fsdp_state_back_when_capture_fails(monkeypatch):
@@ -298,3 +290,38 @@ def test_graph_modules_puts_hooks_and_fsdp_state_back_when_capture_fails(monkeyp
     assert block.fsdp_unit.state is TrainingState.IDLE and not block.fsdp_unit.graphed
     assert all(p.dim() == 1 and p.grad is None for p in block.parameters())  # masters back in place
     assert not isinstance(block.__dict__.get("forward"), fsdp_graph.GraphedCallable)
+
+
+def test_make_graphed_callables_refuses_duplicates_bad_hook_dicts_and_kwargs_counts():
+    lin = nn.Linear(2, 2)
+    x = (torch.zeros(1, 2),)
+    with pytest.raises(ValueError, match="a callable appears twice"):
+        fsdp_graph.make_graphed_callables([lin, lin], [x, x])
+    with pytest.raises(TypeError, match=r"capture_time_hooks\[0\]\['forward'\] must be a dict of hook id -> callable"):
+        fsdp_graph.make_graphed_callables([lin], [x], capture_time_hooks=[{"forward": [print]}])
+    with pytest.raises(ValueError, match="sample_kwargs has 2 entries for 1 callables"):
+        fsdp_graph.make_graphed_callables([lin], [x], sample_kwargs=[{}, {}])
+
+
+def test_graph_modules_refuses_modules_already_graphed_or_containing_one():
+    from test_graphed_callable import emulated
+
+    inner = nn.Linear(3, 3)
+    inner.forward, _ = emulated(inner, (torch.randn(2, 3, requires_grad=True),))
+    outer = nn.Sequential(inner, nn.ReLU())
+    for module in (inner, outer):
+        with pytest.raises(ValueError, match="is already graphed, or contains a graphed module"):
+            fsdp_graph.graph_modules([module], [(torch.randn(2, 3),)])
+    with pytest.raises(ValueError, match="already graphed; capture each module once"):
+        fsdp_graph.make_graphed_callables([inner], [(torch.randn(2, 3),)])
+    with pytest.raises(TypeError, match="expects nn.Module objects; item 0 is a function"):
+        fsdp_graph.graph_modules([lambda x: x], [()])
+
+
+def test_select_modules_by_class_tuple_or_predicate():
+    model = TinyLM(n_blocks=2)
+    assert fsdp_graph.select_modules(model, Block) == list(model.blocks)
+    assert fsdp_graph.select_modules(model, (Block, nn.Embedding)) == [model.emb, *model.blocks]
+    assert fsdp_graph.select_modules(model, lambda name, m: name.endswith(".fc")) == [b.fc for b in model.blocks]
+    with pytest.raises(TypeError, match="selection must be a module class"):
+        fsdp_graph.select_modules(model, "Block")
