@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, _autocast_state, describe_signature
+from .host_sync import no_host_sync
 
 HOOK_KEYS = ("pre_forward", "forward", "pre_backward", "backward")
 MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -200,7 +201,7 @@ def _backward(call: _Callable, fwd: _ForwardPass, graph=None, pool=None, stream=
     return result
 
 
-def _captured_call(call: _Callable, fwd: _ForwardPass, backward) -> CapturedCall:
+def _captured_call(call: _Callable, fwd: _ForwardPass, backward, grad_enabled: bool) -> CapturedCall:
     out_leaves, out_spec = tree_flatten(fwd.outputs)
     outputs, inputs = _tensors(fwd)
     static_grad_outputs, static_grad_inputs = [None] * len(outputs), [None] * len(inputs)
@@ -229,6 +230,7 @@ def _captured_call(call: _Callable, fwd: _ForwardPass, backward) -> CapturedCall
         static_grad_inputs=static_grad_inputs,
         autocast=_autocast_state(),
         training=call.module.training if call.module is not None else None,
+        grad_enabled=grad_enabled,
     )
 
 
@@ -353,9 +355,10 @@ def make_graphed_callables(
 
 def capture_callables(
     modules: list, names: list[str], sample_args, sample_kwargs, num_warmup_iters: int, capture_time_hooks,
-    pre_warmup_hook, post_warmup_hook, pool, eager: list,
+    pre_warmup_hook, post_warmup_hook, pool, eager: list, forward_only: bool = False,
 ) -> list[GraphedCallable]:
-    """``make_graphed_callables`` with names for error messages and each module's eager forward."""
+    """``make_graphed_callables`` with names for error messages and each module's eager forward.
+    ``forward_only``: capture forward graphs only, under ``torch.no_grad()`` (evaluation)."""
     sample_args, sample_kwargs = _check_arguments(modules, sample_args, sample_kwargs, num_warmup_iters)
     hooks = normalize_capture_time_hooks(capture_time_hooks, len(modules))
     calls = [_Callable(fn, name, a, k, h) for fn, name, a, k, h in zip(modules, names, sample_args, sample_kwargs, hooks)]
@@ -365,14 +368,17 @@ def capture_callables(
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with _gc_paused(), torch.cuda.stream(stream):
+    where = f"graphed {', '.join(names) if len(names) <= 3 else names[0] + f' (and {len(names) - 1} more)'}"
+    with _gc_paused(), torch.cuda.stream(stream), torch.no_grad() if forward_only else nullcontext():
         if pre_warmup_hook is not None:
             pre_warmup_hook()
-        for _ in range(num_warmup_iters):
-            passes = [_forward(call) for call in calls]
-            for call, fwd in zip(reversed(calls), reversed(passes)):
-                _backward(call, fwd)
-            del passes
+        for i in range(num_warmup_iters):
+            with no_host_sync(where, enabled=i > 0):  # the first pass may initialise lazily
+                passes = [_forward(call) for call in calls]
+                for call, fwd in zip(reversed(calls), reversed(passes)):
+                    if not forward_only:
+                        _backward(call, fwd)
+                del passes
         if post_warmup_hook is not None:
             post_warmup_hook()
         torch.cuda.synchronize()
@@ -383,10 +389,11 @@ def capture_callables(
         passes = [_forward(call, call.fwd_graph, pool, stream) for call in calls]
         backwards = [None] * len(calls)
         for i in reversed(range(len(calls))):
-            backwards[i] = _backward(calls[i], passes[i], calls[i].bwd_graph, pool, stream)
+            if not forward_only:
+                backwards[i] = _backward(calls[i], passes[i], calls[i].bwd_graph, pool, stream)
     torch.cuda.current_stream().wait_stream(stream)
     group = CaptureGroup()
     return [
-        GraphedCallable(_captured_call(call, fwd, bwd), eager=e, module=call.module, group=group)
+        GraphedCallable(_captured_call(call, fwd, bwd, not forward_only), eager=e, module=call.module, group=group)
         for call, fwd, bwd, e in zip(calls, passes, backwards, eager)
     ]

@@ -52,6 +52,7 @@ class CapturedCall:
     static_grad_inputs: list  # per input tensor then per parameter: static gradient or None
     training: bool | None  # the module's mode at capture (None for plain callables)
     autocast: tuple = (False, None)  # (enabled, dtype) at capture: kernels were chosen under it
+    grad_enabled: bool = True  # False: a forward-only (evaluation) graph, captured under no_grad
 
 
 class CaptureGroup:
@@ -77,7 +78,9 @@ class CaptureGroup:
 
 class GraphedCallable:
     """Callable returned by ``make_graphed_callables``; ``graph_modules`` installs it as the
-    module's ``forward``. A module whose training mode differs from capture runs ``eager``."""
+    module's ``forward``. A module whose training mode differs from capture runs ``eager`` (the
+    original forward, or the graphed callable of the other mode), as does a forward-only graph
+    called with gradients enabled."""
 
     def __init__(self, captured: CapturedCall, eager: Callable | None = None, module: nn.Module | None = None,
                  group: CaptureGroup | None = None) -> None:
@@ -109,8 +112,11 @@ class GraphedCallable:
 
     # -- the call ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if self.eager is not None and self.module is not None and self.module.training != self.captured.training:
-            return self.eager(*args, **kwargs)  # the graphs hold the other mode's kernels (dropout)
+        if self.eager is not None and (
+            (self.module is not None and self.module.training != self.captured.training)  # dropout differs
+            or (not self.captured.grad_enabled and torch.is_grad_enabled())  # no backward graph
+        ):
+            return self.eager(*args, **kwargs)
         if _autocast_state() != self.captured.autocast:
             raise RuntimeError(
                 f"graphed {self.name}: autocast is {_autocast_state()} but was {self.captured.autocast} at capture; "

@@ -20,12 +20,13 @@ For every module, in this order:
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-from typing import Callable, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Callable, Iterator, Sequence
 
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
-from .capture import capture_callables, require_cuda
+from .capture import _static_copy, capture_callables, require_cuda
 from .fully_shard import _ENCLOSING_ATTR, units_in
 from .graphed_callable import GraphedCallable
 from .hooks import UNIT_ATTR, post_backward_handler, post_forward_reshard, pre_backward_handler, pre_forward_unshard
@@ -95,13 +96,24 @@ def _unit_to_unshard(module: nn.Module, name: str) -> FSDPUnit | None:
     return enclosing
 
 
-def _check_selection(modules: list[nn.Module], names: list[str]) -> None:
+def _graphed_for_training(module: nn.Module) -> bool | None:
+    """True / False: ``module`` has a training / forward-only graph installed; None: neither."""
+    runner = module.__dict__.get("forward")
+    return runner.captured.grad_enabled if isinstance(runner, GraphedCallable) else None
+
+
+def _check_selection(modules: list[nn.Module], names: list[str], forward_only: bool) -> None:
     for i, module in enumerate(modules):
         if not isinstance(module, nn.Module):
             raise TypeError(f"graph_modules expects nn.Module objects; item {i} is a {type(module).__name__}")
         for sub in module.modules():
-            if isinstance(sub.__dict__.get("forward"), GraphedCallable):
-                raise ValueError(f"graph_modules: {names[i]} is already graphed, or contains a graphed module; capture each module once")
+            graphed = _graphed_for_training(sub)
+            if graphed is not None and not (sub is module and graphed == forward_only):
+                kind = "forward-only" if forward_only else "training"
+                raise ValueError(
+                    f"graph_modules: {names[i]} is already graphed, or contains a graphed module, and a {kind} graph "
+                    "was asked for: capture each module once per kind (one training graph, one forward-only graph)"
+                )
         for j, other in enumerate(modules):
             if j != i and any(sub is other for sub in module.modules()):
                 raise ValueError(
@@ -130,6 +142,58 @@ def _capture_time_hooks(taken: ModuleHooks, unit: FSDPUnit | None, kwargs: dict)
     return hooks
 
 
+@contextmanager
+def eval_mode(module: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """``module.eval()`` for the body; afterwards every submodule's mode is as before."""
+    modes = [(m, m.training) for m in module.modules()]
+    if enabled:
+        module.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+@contextmanager
+def _capturable_forward(module: nn.Module, forward_only: bool) -> Iterator[None]:
+    """During capture: the class's own forward (not a graph installed earlier), in eval mode for
+    a forward-only graph; afterwards both are as before."""
+    installed = module.__dict__.pop("forward", None)
+    try:
+        with eval_mode(module, enabled=forward_only):
+            yield
+    finally:
+        if installed is not None:
+            module.forward = installed
+
+
+def record_sample_args(modules: list[nn.Module], run: Callable[[], object]) -> list[tuple[tuple, dict]]:
+    """The arguments each module receives during ``run()`` (its first call), as detached copies
+    that keep ``requires_grad``: samples for ``graph_modules`` that match the real calls."""
+    samples: list = [None] * len(modules)
+
+    def recorder(i: int):
+        def hook(module, args, kwargs):
+            if samples[i] is None:
+                samples[i] = tree_map(_static_copy, (tuple(args), dict(kwargs)))  # no autograd graph kept
+        return hook
+
+    handles = [m.register_forward_pre_hook(recorder(i), with_kwargs=True, prepend=True) for i, m in enumerate(modules)]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [_describe(m, i) for i, (m, s) in enumerate(zip(modules, samples)) if s is None]
+    if missing:
+        raise ValueError(
+            f"{missing[0]} was selected for a graph but did not run in the example forward; select modules "
+            "the model runs on every step (or graph it with graph_modules and your own sample arguments)."
+        )
+    return samples
+
+
 def graph_modules(
     modules: Sequence[nn.Module],
     sample_args: Sequence[tuple],
@@ -137,6 +201,7 @@ def graph_modules(
     sample_kwargs: Sequence[dict | None] | None = None,
     num_warmup_iters: int = 3,
     pool=None,
+    forward_only: bool = False,
 ) -> list[GraphedCallable]:
     """Capture each module's forward and backward as CUDA graphs and install them in place.
 
@@ -146,25 +211,31 @@ def graph_modules(
     steps, after ``fully_shard`` on every unit and the root. Afterwards ``module(...)`` replays,
     with the module's hooks (FSDP's unshard/reshard among them) running eagerly around the
     graph. Returns the graphed callables, in order.
+
+    ``forward_only=True`` captures evaluation graphs instead: the forward only, in eval mode
+    under ``torch.no_grad()``, replayed when the module is in eval mode with gradients disabled
+    (unshard still runs eagerly around it). A module may have one graph of each kind.
     """
     modules = list(modules)
     names = [_describe(m, i) for i, m in enumerate(modules)]
-    _check_selection(modules, names)
+    _check_selection(modules, names, forward_only)
     units = [_unit_to_unshard(m, name) for m, name in zip(modules, names)]
     require_cuda("graph_modules")
     kwargs_list = [None] * len(modules) if sample_kwargs is None else list(sample_kwargs)
-    eager = [m.forward for m in modules]
+    eager = [m.forward for m in modules]  # the other kind's graph, if one is installed, else forward
     roots = {id(ctx): ctx for ctx in (u.ensure_root_ctx() for u in units if u is not None)}
     with ExitStack() as stack:
         for ctx in roots.values():
             stack.enter_context(ctx.outside_training_step())
+        for module in modules:
+            stack.enter_context(_capturable_forward(module, forward_only))
         with hooks_taken_off(modules, names) as taken:
             capture_time_hooks = [
                 _capture_time_hooks(t, u, dict(k or {})) for t, u, k in zip(taken, units, kwargs_list)
             ]
             graphed = capture_callables(
                 modules, names, sample_args, sample_kwargs, num_warmup_iters, capture_time_hooks,
-                None, None, pool, eager,
+                None, None, pool, eager, forward_only,
             )
     for module, name, unit, runner in zip(modules, names, units, graphed):
         if unit is not None:

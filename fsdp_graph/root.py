@@ -27,12 +27,14 @@ class CommStreams:
         self.all_gather = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.reduce = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.device = device
+        self._pending: set = set()  # side streams given work since the current stream last joined them
 
     def enter(self, stream):
         """Run on ``stream`` after everything already queued on the current stream."""
         if stream is None:
             return nullcontext()
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._pending.add(stream)
         return torch.cuda.stream(stream)
 
     def record(self, stream):
@@ -50,10 +52,14 @@ class CommStreams:
     def wait_for_all(self) -> None:
         """Compute stream waits for every collective: nothing in flight may race the optimizer
         (a prefetch that was never consumed still reads the master shard)."""
+        # Only streams that were given work: inside a whole-step capture, waiting on a stream
+        # that is not part of the capture would wait on an event recorded outside it.
         if self.cuda:
             current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self.all_gather)
-            current.wait_stream(self.reduce)
+            for stream in (self.all_gather, self.reduce):
+                if stream in self._pending:
+                    current.wait_stream(stream)
+            self._pending.clear()
 
 
 class RootContext:
@@ -117,6 +123,13 @@ class RootContext:
             self.forward_order[:], self.backward_order[:] = order[0], order[1]
             self._next_forward, self._next_backward = order[2], order[3]
             self.end_of_backward_queued = False
+
+    def forget_events(self) -> None:
+        """Around a whole-step capture: see ``FSDPUnit.forget_events``. Synchronises the device."""
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.streams.device)
+        for unit in self.units:
+            unit.forget_events()
 
     # -- execution order for prefetching --------------------------------------------------
     def record_forward(self, unit: FSDPUnit) -> None:

@@ -467,6 +467,14 @@ class FSDPUnit:
                     grad = view
                 grad.add_(piece, alpha=scale)
 
+    def expose_sharded_grads(self) -> None:
+        """Point every trainable master's ``.grad`` at its piece of the sharded gradient buffer,
+        where a whole-step graph without optimizer writes each step's gradient."""
+        for i in self._trainable:
+            master, view = self.params[i].master, self._sharded_grad_views[i]
+            if master.grad is not view:
+                master.grad = view
+
     # -- root and iteration boundaries ----------------------------------------------------
     def ensure_root_ctx(self) -> RootContext:
         if self.root_ctx is None:
@@ -484,6 +492,14 @@ class FSDPUnit:
 
     def clear_prefetch(self) -> None:
         self._prefetched = False
+
+    def forget_events(self) -> None:
+        """Drop recorded CUDA events (call after a device synchronize). A capture must not wait on
+        an event recorded outside it, and eager work must not wait on one recorded inside it."""
+        self._unshard_event = None
+        for buffer in (self._buffers.grads if self._buffers is not None else None, self._accum):
+            if buffer is not None:
+                buffer.reduce_done = None
 
     # -- graph capture ------------------------------------------------------------------
     def grad_state(self) -> tuple:

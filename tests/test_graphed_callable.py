@@ -76,7 +76,7 @@ def emulated(module: nn.Module, args: tuple, kwargs: dict | None = None):
     bwd = _backward(call, fwd)
     graphs = _EmulatedGraphs(module)
     call.fwd_graph, call.bwd_graph = graphs.forward_graph(), graphs.backward_graph()
-    captured = _captured_call(call, fwd, bwd)
+    captured = _captured_call(call, fwd, bwd, grad_enabled=True)
     graphs.captured = captured
     return GraphedCallable(captured, eager=module.forward, module=module), graphs
 

@@ -1,0 +1,219 @@
+"""A training step as one object: forward + loss + backward (+ clip) (+ optimizer step).
+
+    step = fsdp_graph.graph_train_step(loss_fn, example_batch, model=model, optimizer=opt)
+    for batch in loader:
+        loss = step(*batch)          # copies the batch in, replays, returns the loss
+
+``TrainStep`` is the step body, run eagerly; ``GraphedTrainStep`` runs the *same* body, so
+its result is bitwise the eager one:
+
+1. The first ``warmup_steps`` calls are real eager steps on the capture stream (optimizer state,
+   the recorded prefetch order, NCCL communicators and cuBLAS handles come into being; the
+   second and later ones also prove the body free of host syncs, see ``host_sync.py``).
+2. The next call captures the body once (``whole_graph.py``: FSDP's all-gathers and
+   reduce-scatters, on their side streams, inside the graph) and replays it: that is its step.
+3. Every later call copies the batch into the static inputs and replays.
+
+Gradient accumulation happens inside the one graph: with ``grad_accum_steps=K`` each argument
+carries K micro-batches stacked on a new leading dimension (``torch.stack(micro_batches)``);
+micro-batches 1..K-1 run under FSDP's ``no_sync`` and the last one reduce-scatters the sum.
+The loss of each micro-batch is divided by K, so the step's gradient is the mean over micro-batches
+and the returned loss their mean.
+
+With an ``optimizer`` the step ends with ``optimizer.step()`` and ``zero_grad()``, in the graph.
+It must be capturable (``capturable=True`` for Adam/AdamW, ``fused=True`` for SGD); each param
+group's learning rate is moved into a device tensor, which the graph reads at every replay, so
+``group["lr"].fill_(value)`` and ``torch.optim.lr_scheduler`` schedulers (which fill tensor
+learning rates in place) take effect without re-capture. Without an optimizer, the sharded
+``.grad`` hold this step's gradient after each call (as after ``zero_grad()`` + backward).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .clip_grad import clip_grad_norm_
+from .fully_shard import units_in
+from .host_sync import no_host_sync
+from .static_inputs import StaticInputs
+from .whole_graph import capture_whole, on_stream, root_contexts
+
+
+class TrainStep:
+    """The eager step body (strategies ``none`` and ``layer``); see the module docstring."""
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., torch.Tensor],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable returning the scalar loss, not {type(loss_fn).__name__}")
+        if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
+        self.loss_fn = loss_fn
+        self.model = model
+        self.optimizer = optimizer
+        self.grad_accum_steps = grad_accum_steps
+        self.max_grad_norm = max_grad_norm
+        self._units = units_in(model)
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        return self.run(batch)
+
+    def micro_batches(self, batch: tuple) -> list[tuple]:
+        k = self.grad_accum_steps
+        if k == 1:
+            return [tuple(batch)]
+        for i, x in enumerate(batch):
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != k:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(
+                    f"train step with grad_accum_steps={k}: argument {i} has shape {shape}; each argument must "
+                    f"stack the {k} micro-batches on a new leading dimension (torch.stack(micro_batches))."
+                )
+        return [tuple(x[i] for x in batch) for i in range(k)]
+
+    def run(self, batch: tuple) -> torch.Tensor:
+        """One step on ``batch``; returns the (mean micro-batch) loss, detached."""
+        micro = self.micro_batches(batch)
+        k = len(micro)
+        previous_sync = [u.requires_gradient_sync for u in self._units]
+        total = None
+        try:
+            for i, args in enumerate(micro):
+                for unit in self._units:
+                    unit.requires_gradient_sync = i == k - 1  # reduce once, the sum, after the last
+                loss = self._loss(args)
+                if k > 1:
+                    loss = loss / k
+                loss.backward()
+                total = loss.detach() if total is None else total + loss.detach()
+        finally:
+            for unit, flag in zip(self._units, previous_sync):
+                unit.requires_gradient_sync = flag
+        if self.max_grad_norm is not None:
+            clip_grad_norm_(self.model, self.max_grad_norm)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    def _loss(self, args: tuple) -> torch.Tensor:
+        loss = self.loss_fn(*args)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+            got = f"a tensor of shape {tuple(loss.shape)} (requires_grad={loss.requires_grad})" if isinstance(
+                loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(
+                f"loss_fn must return the scalar loss that backward starts from (e.g. "
+                f"lambda x, y: model(x, y)[1]), got {got}"
+            )
+        return loss
+
+
+class GraphedTrainStep:
+    """A ``TrainStep`` captured as one CUDA graph after ``warmup_steps`` eager calls."""
+
+    def __init__(self, body: TrainStep, example_batch: tuple, *, warmup_steps: int = 3) -> None:
+        from .graph_config import check_full_iteration
+
+        check_full_iteration(body.model, body.optimizer, warmup_steps)
+        self.body = body
+        body.micro_batches(tuple(example_batch))  # the stacked-micro-batch layout, checked up front
+        self.device = body._units[0].device
+        self.inputs = StaticInputs("graph_train_step", tuple(example_batch), self.device)
+        self.warmup_steps = warmup_steps
+        self.contexts = root_contexts(body.model)
+        self.stream = torch.cuda.Stream(self.device)
+        self.graph = None
+        self.static_loss: torch.Tensor | None = None
+        self.eager_steps = 0
+        self.replays = 0
+        self._learning_rates = _learning_rates_on_device(body.optimizer, self.device)
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        self._check_learning_rates()
+        self.inputs.copy_in(batch)
+        if self.graph is None:
+            if self.eager_steps < self.warmup_steps:
+                return self._eager_step()
+            self._capture()
+        self.graph.replay()
+        self.replays += 1
+        if self.body.optimizer is None:
+            self._expose_grads()
+        return self.static_loss.clone()
+
+    def _eager_step(self) -> torch.Tensor:
+        self.eager_steps += 1
+        with on_stream(self.stream), no_host_sync("the training step", enabled=self.eager_steps > 1):
+            loss = self.body.run(tuple(self.inputs.tensors))
+        loss.record_stream(torch.cuda.current_stream(self.device))
+        return loss
+
+    def _capture(self) -> None:
+        if self.body.optimizer is None:
+            for unit in self.body._units:  # the graph then overwrites .grad (see _expose_grads)
+                for mp in unit.params:
+                    mp.master.grad = None
+        self.graph, self.static_loss = capture_whole(
+            "graph_train_step", lambda: self.body.run(tuple(self.inputs.tensors)), self.contexts, self.stream
+        )
+
+    def _expose_grads(self) -> None:
+        """The graph wrote this step's gradients into the units' sharded gradient buffers: point
+        ``.grad`` back at them if ``zero_grad()`` set it to None."""
+        for unit in self.body._units:
+            unit.expose_sharded_grads()
+
+    def _check_learning_rates(self) -> None:
+        for i, (group, lr) in enumerate(self._learning_rates):
+            if group["lr"] is not lr:
+                raise RuntimeError(
+                    f"graph_train_step: param group {i}'s learning rate was replaced (now {group['lr']!r}); "
+                    "the graph reads the device tensor it was captured with. Change it in place: "
+                    "group['lr'].fill_(value) (torch.optim.lr_scheduler schedulers do this)."
+                )
+
+
+def _learning_rates_on_device(optimizer, device: torch.device) -> list[tuple[dict, torch.Tensor]]:
+    """Every group's learning rate as a 0-dim fp32 tensor on ``device`` (in the group, in place)."""
+    if optimizer is None:
+        return []
+    rates = []
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        if not (isinstance(lr, torch.Tensor) and lr.device == device):
+            lr = torch.tensor(float(lr), dtype=torch.float32, device=device)
+            group["lr"] = lr
+        rates.append((group, lr))
+    return rates
+
+
+def graph_train_step(
+    loss_fn: Callable[..., torch.Tensor],
+    example_batch: tuple,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    grad_accum_steps: int = 1,
+    max_grad_norm: float | None = None,
+    warmup_steps: int = 3,
+) -> GraphedTrainStep:
+    """The whole training step of an FSDP ``model`` as one CUDA graph (strategy ``full_iteration``).
+
+    ``loss_fn(*batch)`` runs the forward and returns the scalar loss; the step does the backward,
+    the reduce-scatters, optional clipping (``max_grad_norm``), and the optional optimizer step.
+    ``example_batch`` fixes the arguments' shapes and dtypes (with ``grad_accum_steps=K``, stacked:
+    ``[K, *micro_batch_shape]``). See the module docstring for the warm-up and what may change
+    between steps.
+    """
+    body = TrainStep(loss_fn, model, optimizer, grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm)
+    return GraphedTrainStep(body, tuple(example_batch), warmup_steps=warmup_steps)

@@ -1,0 +1,71 @@
+"""Capture a whole step (or a whole model's forward) as one CUDA graph, FSDP collectives inside.
+
+Unlike per-layer graphs, nothing is rerouted: FSDP's hooks run *during* the capture and their
+CUDA work (the cast into the persistent buffer, the all-gather, the reduce-scatter, the gradient
+accumulation) is recorded. That is legal because every tensor they touch is persistent. The
+overlap survives: the all-gathers and reduce-scatters are issued on FSDP's side streams, which
+fork from the capture stream (``wait_stream``) and join it again through events, so the graph
+keeps them as parallel branches.
+
+Events are the one thing to clean: a capture must not wait on an event recorded before it (the
+reduce-done event of the last eager step, say), and eager work must not wait on one recorded
+inside it, so the device is synchronised and every unit's events are dropped before and after.
+The warm-up runs on the capture's stream, so the autograd engine's per-stream state is there.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
+
+import torch
+import torch.nn as nn
+
+from .capture import _gc_paused
+from .fully_shard import units_in
+from .root import RootContext
+
+T = TypeVar("T")
+
+
+def root_contexts(model: nn.Module) -> list[RootContext]:
+    """The FSDP root contexts under ``model`` (created now if no forward has run yet)."""
+    contexts = {}
+    for unit in units_in(model):
+        ctx = unit.ensure_root_ctx()
+        contexts[id(ctx)] = ctx
+    return list(contexts.values())
+
+
+@contextmanager
+def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
+    """Run the body on ``stream``, ordered after and before the current stream's work."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
+
+
+def capture_whole(what: str, run: Callable[[], T], contexts: list[RootContext], stream: torch.cuda.Stream):
+    """Capture ``run()`` on ``stream``; returns (graph, what ``run`` returned: its static outputs)."""
+    for ctx in contexts:
+        ctx.forget_events()
+    torch.cuda.synchronize(stream.device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with _gc_paused(), torch.cuda.graph(graph, stream=stream):
+            result = run()
+    except RuntimeError as err:
+        if "synchroniz" in str(err) or "capture" in str(err).lower():
+            raise RuntimeError(
+                f"{what}: CUDA graph capture failed: {err}\nCommon causes: a host sync in the step "
+                "(.item(), printing a tensor, a data-dependent shape), work on the default stream, or "
+                "autograd graphs of earlier eager steps still alive (drop the loss of earlier steps, "
+                "`del loss`, before the first graphed step)."
+            ) from err
+        raise
+    finally:
+        for ctx in contexts:
+            ctx.forget_events()
+    return graph, result
