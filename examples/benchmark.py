@@ -5,12 +5,15 @@
     python examples/benchmark.py --plot bench/results.json                       # chart elsewhere
 
 Every system trains the same GPT (untied embeddings, examples/gpt.py) from the same seed on the
-same batches with AdamW, bf16 compute and fp32 gradient reduction:
+same batches with fused AdamW (ours: capturable, learning rate on the device), bf16 compute and
+fp32 gradient reduction:
 
   fsdp2_eager        torch.distributed.fsdp.fully_shard per block and on the root
   fsdp2_full_graph   the same, forward+backward captured as one CUDA graph, optimizer step outside
   ours_eager         fsdp_graph.fully_shard per block and on the root
   ours_layer_graphs  the same, every block graphed with fsdp_graph.graph_modules
+  ours_full_iteration  the same, the whole step (collectives and a capturable AdamW step
+                     included) as one graph: fsdp_graph.graph_train_step
   floor              the unsharded model's forward+backward as one graph on one GPU: no
                      communication, no optimizer; the time a step cannot beat
 
@@ -42,9 +45,10 @@ import torch.distributed as dist  # noqa: E402
 import fsdp_graph  # noqa: E402
 from gpt import CONFIGS, GPT, GPTConfig  # noqa: E402
 from hot_path import HotPathTimer  # noqa: E402
+from step_profile import kernel_breakdown  # noqa: E402
 
-SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "floor")
-GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "floor")
+SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_full_iteration", "floor")
+GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_full_iteration", "floor")
 WHOLE_GRAPH_SYSTEMS = ("fsdp2_full_graph", "floor")
 LOSS_RTOL = 1e-2  # bf16 compute: different reduction orders drift apart by far less than this
 LR = 3e-4
@@ -92,8 +96,15 @@ def make_batches(bench: BenchConfig, env: Env, steps: int) -> list[tuple[torch.T
     return out
 
 
-def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+def make_optimizer(model: torch.nn.Module, capturable: bool = False) -> torch.optim.Optimizer:
+    """AdamW, fused on GPU (one kernel pass; the fastest stock form for every system). Our systems
+    all use the capturable form with the learning rate in a device tensor, which the whole-step
+    graph needs, so their losses are comparable with each other."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":  # fused / capturable AdamW are for accelerators
+        return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    lr = torch.tensor(LR, device=device) if capturable else LR
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=True, capturable=capturable)
 
 
 def train_step(model, opt, set_to_none: bool = True) -> Callable:
@@ -133,7 +144,7 @@ def fsdp2_eager(bench, env, batches, warmup):
 
 def ours_eager(bench, env, batches, warmup):
     model = ours_sharded(bench, env)
-    return train_step(model, make_optimizer(model)), None
+    return train_step(model, make_optimizer(model, capturable=True)), None
 
 
 def ours_layer_graphs(bench, env, batches, warmup):
@@ -141,7 +152,40 @@ def ours_layer_graphs(bench, env, batches, warmup):
     cfg = bench.model
     sample = torch.randn(bench.micro_batch, cfg.seq_len, cfg.d_model, device=env.device, requires_grad=True)
     fsdp_graph.graph_modules(list(model.blocks), [(sample,)] * len(model.blocks))
-    return train_step(model, make_optimizer(model)), None
+    return train_step(model, make_optimizer(model, capturable=True)), None
+
+
+def ours_full_iteration(bench, env, batches, warmup):
+    """The first ``warmup`` calls are eager steps inside the graphed step, then it captures."""
+    model = ours_sharded(bench, env)
+    opt = make_optimizer(model, capturable=True)
+    step = fsdp_graph.graph_train_step(lambda idx, targets: model(idx, targets)[1], batches[0], model=model,
+                                       optimizer=opt, warmup_steps=warmup)
+    step.optimizer_ms = lambda: optimizer_step_ms(opt)
+    return step, None
+
+
+def optimizer_step_ms(opt: torch.optim.Optimizer, replays: int = 20) -> float:
+    """The optimizer step alone, captured as a graph (as it runs inside the whole step): the
+    "+ optimizer" of the floor comparison. Changes the weights: call it after the timed steps."""
+    for group in opt.param_groups:  # the whole step's zero_grad left them None
+        for p in group["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / replays
 
 
 def whole_graph_step(forward_backward: Callable, batches, warmup: int, eager_step: Callable, after: Callable):
@@ -218,7 +262,8 @@ def max_over_ranks(value: float, env: Env) -> float:
     return t.item()
 
 
-def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, hot_path: bool) -> dict:
+def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, hot_path: bool,
+            profile: bool = False) -> dict:
     batches = make_batches(bench, env, warmup + steps)
     if env.cuda:
         torch.cuda.empty_cache()
@@ -269,6 +314,10 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
     }
     if timer is not None:
         record["hot_path_us"] = timer.per_call_us()
+    if profile and env.cuda and system in WHOLE_GRAPH_SYSTEMS + ("ours_full_iteration",):
+        record["profile"] = kernel_breakdown(step, batches[warmup:])  # extra steps, after the timed ones
+    if hasattr(step, "optimizer_ms"):
+        record["optimizer_ms"] = max_over_ranks(step.optimizer_ms(), env)
     del step, batches
     gc.collect()
     return record
@@ -298,6 +347,9 @@ def add_ratios(records: list[dict]) -> None:
         for base in ("fsdp2_eager", "fsdp2_full_graph", "floor"):
             other = by_key.get((r["config"], base))
             r[f"x_{base}"] = r["step_ms_median"] / other["step_ms_median"] if other else None
+        floor = by_key.get((r["config"], "floor"))
+        if r.get("optimizer_ms") is not None and floor:
+            r["x_floor_plus_optimizer"] = r["step_ms_median"] / (floor["step_ms_median"] + r["optimizer_ms"])
 
 
 # -- reporting ------------------------------------------------------------------------------
@@ -322,6 +374,17 @@ def markdown(records: list[dict]) -> str:
             f"| {r['host_ms_median']:.2f} | {r['tokens_per_s']:,.0f} | {f(r['peak_mem_gib'], '.2f')} "
             f"| {f(r.get('x_fsdp2_eager'), '.2f')} | {f(r.get('x_fsdp2_full_graph'), '.2f')} | {f(r.get('x_floor'), '.2f')} | {match_text} |"
         )
+    for r in records:
+        if r.get("optimizer_ms") is not None:
+            lines += ["", f"{r['config']} / {r['system']}: the optimizer step alone (graphed) takes {r['optimizer_ms']:.2f} ms; "
+                      f"step / (floor + optimizer) = {f(r.get('x_floor_plus_optimizer'), '.2f')}"]
+    for r in records:
+        prof = r.get("profile") or {}
+        if prof.get("kernel_ms_per_step"):
+            lines += ["", f"GPU time per step, {r['config']} / {r['system']} (--profile): span {prof['gpu_span_ms_per_step']:.2f} ms, "
+                      f"not covered by compute kernels {prof['exposed_ms_per_step']:.2f} ms", "",
+                      "| kernels | ms per step |", "|---|---|"]
+            lines += [f"| {kind} | {ms:.2f} |" for kind, ms in prof["kernel_ms_per_step"].items()]
     for r in records:
         if r.get("hot_path_us"):
             lines += ["", f"Host time per call, {r['config']} / {r['system']} (--hot-path, extra steps):", "",
@@ -364,6 +427,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps per system")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 warm-up and 3 timed steps (CPU/gloo in CI)")
     p.add_argument("--hot-path", action="store_true", help="also time our per-layer hooks and replays (adds overhead)")
+    p.add_argument("--profile", action="store_true", help="also break the whole-graph systems' GPU time down by kernel kind")
     p.add_argument("--out", default="bench")
     p.add_argument("--plot", metavar="RESULTS_JSON", help="only draw the chart from an earlier run's results")
     args = p.parse_args(argv)
@@ -401,7 +465,7 @@ def main(argv=None) -> None:
                 continue
             if info.is_main:
                 print(f"[{bench.name}] {system} ...", flush=True)
-            records.append(measure(system, bench, env, args.warmup, args.steps, args.hot_path))
+            records.append(measure(system, bench, env, args.warmup, args.steps, args.hot_path, args.profile))
             if env.world_size > 1:
                 dist.barrier()
     compare_losses(records)

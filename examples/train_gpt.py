@@ -6,6 +6,9 @@ Sharded over several processes (gloo on CPU, NCCL on GPUs):
     launch/run.sh --nproc-per-node 2 examples/train_gpt.py --steps 50
 Bigger model, synthetic tokens, bf16 compute:
     launch/run.sh examples/train_gpt.py --config small --dtype bf16 --steps 100
+CUDA graphs (GPU): each block, or the whole step (collectives and optimizer included):
+    launch/run.sh examples/train_gpt.py --config small --graph layer
+    launch/run.sh examples/train_gpt.py --config small --graph full_iteration --grad-accum 2
 
 Every rank builds the same model from the same seed, shards it (each block, then the root),
 and trains on its own micro-batches; gradients are averaged by the reduce-scatter.
@@ -85,8 +88,10 @@ def parse_args() -> argparse.Namespace:
                    help="compute dtype; bf16 = bf16 params, fp32 gradient reduction "
                         "(default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--graph", choices=["none", "layer"], default="none",
-                   help="layer: every transformer block runs as a CUDA graph (GPU only)")
+    p.add_argument("--graph", choices=["none", "layer", "full_iteration"], default="none",
+                   help="CUDA graphs (GPU only), fsdp_graph.GraphConfig(strategy=...): layer = every transformer "
+                        "block as a graph; full_iteration = the whole step, optimizer included, as one graph")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--data", choices=["synthetic", "text"], default=None,
                    help="text: built-in corpus, byte tokens (needs vocab >= 256); synthetic: uniform random "
                         "tokens, nothing to learn, for throughput (default: text for tiny, synthetic otherwise)")
@@ -199,15 +204,30 @@ def main() -> None:
         {"params": [p for n, p in named if n not in no_decay], "weight_decay": args.weight_decay},
         {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(param_groups, lr=args.lr, betas=(0.9, 0.95))
-
-    if args.graph == "layer":
-        # Each block's forward and backward become CUDA graphs; unshard/reshard stay eager.
-        sample = torch.randn(args.batch_size, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
-        fsdp_graph.graph_modules(list(model.blocks), [(sample,)] * len(model.blocks))
+    # On GPU: fused AdamW, learning rate in a device tensor, capturable (what a whole-step graph needs).
+    cuda = device.type == "cuda"
+    optimizer = torch.optim.AdamW(
+        param_groups, lr=torch.tensor(args.lr, device=device) if cuda else args.lr, betas=(0.9, 0.95),
+        fused=cuda or None, capturable=args.graph == "full_iteration",
+    )
 
     batches = Batches(data, cfg, args.batch_size, args.seed + dist.rank, device)
-    tokens_per_step = args.batch_size * cfg.seq_len * dist.world_size  # global
+    tokens_per_step = args.batch_size * cfg.seq_len * dist.world_size * args.grad_accum  # global
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        """One step's batch; with --grad-accum K, K micro-batches stacked on a leading dimension."""
+        if args.grad_accum == 1:
+            return batches.next()
+        micro = [batches.next() for _ in range(args.grad_accum)]
+        return torch.stack([x for x, _ in micro]), torch.stack([y for _, y in micro])
+
+    # The step (forward, backward, clipping, optimizer) for the chosen graph strategy: eager,
+    # each block a CUDA graph, or the whole step one graph. The config is checked before any work.
+    train_step = fsdp_graph.make_train_step(
+        lambda inputs, targets: model(inputs, targets)[1], model, optimizer,
+        config=fsdp_graph.GraphConfig(strategy=args.graph), example_batch=(first_batch := next_batch()),
+        grad_accum_steps=args.grad_accum, max_grad_norm=args.grad_clip if args.grad_clip > 0 else None,
+    )
 
     is_main = dist.is_main
     if is_main:
@@ -225,16 +245,13 @@ def main() -> None:
     last_tok_s = 0.0
     for step in range(args.steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr_at(step, args))  # in place: a graph reads this tensor
+            else:
+                group["lr"] = lr_at(step, args)
 
-        inputs, targets = batches.next()
-        _, loss = model(inputs, targets)
-        loss.backward()
-        if args.grad_clip > 0:
-            fsdp_graph.clip_grad_norm_(model, args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
-        loss_sum += loss.detach()
+        loss = train_step(*(first_batch if step == 0 else next_batch()))
+        loss_sum += loss
         loss_count += 1
 
         if step == 0:

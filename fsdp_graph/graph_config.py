@@ -78,11 +78,6 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
         raise ValueError("GraphConfig: modules= is only used by strategy='layer' or forward_only='layer'; drop it")
     if strategy == forward_only == "none":
         return config
-    if not torch.cuda.is_available() or any(u.device.type != "cuda" for u in units_in(model)):
-        raise RuntimeError(
-            f"GraphConfig(strategy={strategy!r}, forward_only={forward_only!r}) needs CUDA: CUDA graphs do not exist "
-            "on CPU. Use GraphConfig() (strategy='none', forward_only='none') to run eagerly there."
-        )
     if strategy == "full_iteration":
         _check_whole(model, "strategy='full_iteration'", training=True)
     if forward_only == "model":
@@ -92,6 +87,11 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
             unit = module.__dict__.get(_ENCLOSING_ATTR)
             if unit is not None:
                 _check_persistent(unit, f"a graphed {type(module).__name__}")
+    if not torch.cuda.is_available() or any(u.device.type != "cuda" for u in units_in(model)):
+        raise RuntimeError(
+            f"GraphConfig(strategy={strategy!r}, forward_only={forward_only!r}) needs CUDA: CUDA graphs do not exist "
+            "on CPU. Use GraphConfig() (strategy='none', forward_only='none') to run eagerly there."
+        )
     return config
 
 
@@ -155,11 +155,12 @@ def check_capturable_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
         return
     name = type(optimizer).__name__
     for i, group in enumerate(optimizer.param_groups):
-        if "capturable" in optimizer.defaults and not (group.get("capturable") or group.get("fused")):
+        if "capturable" in optimizer.defaults and not group.get("capturable"):
             raise ValueError(
-                f"graph_train_step: {name} param group {i} is not capturable; its step reads the step count on "
-                f"the host. Create it with capturable=True (e.g. torch.optim.{name}(params, lr=..., "
-                "capturable=True)), or pass optimizer=None and step it outside the graph."
+                f"graph_train_step: {name} param group {i} is not capturable; its step keeps state on the "
+                f"host. Create it with capturable=True (e.g. torch.optim.{name}(params, lr=..., "
+                "capturable=True), fused=True as well for speed), or pass optimizer=None and step it "
+                "outside the graph."
             )
         if "capturable" not in optimizer.defaults and "fused" in optimizer.defaults and not group.get("fused"):
             raise ValueError(

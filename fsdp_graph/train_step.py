@@ -21,7 +21,8 @@ The loss of each micro-batch is divided by K, so the step's gradient is the mean
 and the returned loss their mean.
 
 With an ``optimizer`` the step ends with ``optimizer.step()`` and ``zero_grad()``, in the graph.
-It must be capturable (``capturable=True`` for Adam/AdamW, ``fused=True`` for SGD); each param
+It must be capturable (``capturable=True`` for Adam/AdamW, best with ``fused=True``; ``fused=True``
+for SGD); each param
 group's learning rate is moved into a device tensor, which the graph reads at every replay, so
 ``group["lr"].fill_(value)`` and ``torch.optim.lr_scheduler`` schedulers (which fill tensor
 learning rates in place) take effect without re-capture. Without an optimizer, the sharded

@@ -1,0 +1,60 @@
+"""Where a step's GPU time goes: kernel time by kind, from a torch.profiler trace.
+
+For the benchmark's ``--profile``: what separates a whole-step graph from the floor is GPU time
+(its host time is ~0), so the question is which kernels run besides the floor's forward and
+backward, and how much of the communication hides behind compute. Kernels are grouped by name;
+``exposed`` is the step time not covered by compute-stream kernels (communication or gaps the
+compute waits on).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+KINDS = (  # first match wins
+    ("nccl (all-gather, reduce-scatter)", ("nccl",)),
+    ("optimizer (multi-tensor AdamW)", ("multi_tensor", "adam")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "sm90", "sm100", "cublas")),
+    ("copy / cast / fill", ("copy", "fill", "cast", "memset", "memcpy")),
+)
+
+
+def _kind(name: str) -> str:
+    lower = name.lower()
+    for kind, keys in KINDS:
+        if any(k in lower for k in keys):
+            return kind
+    return "other elementwise / reductions"
+
+
+def kernel_breakdown(step, batches, steps: int = 5) -> dict:
+    """Run ``step`` on ``batches[:steps]`` under the profiler; per step: ms of kernel time by kind,
+    the wall time, and the part of it not covered by compute kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(*batches[i % len(batches)])
+        torch.cuda.synchronize()
+    by_kind: dict[str, float] = defaultdict(float)
+    compute_us, start, end = 0.0, None, None
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.time_range.elapsed_us() <= 0:
+            continue
+        us = event.time_range.elapsed_us()
+        kind = _kind(event.name)
+        by_kind[kind] += us
+        if not kind.startswith("nccl"):
+            compute_us += us
+        start = event.time_range.start if start is None else min(start, event.time_range.start)
+        end = event.time_range.end if end is None else max(end, event.time_range.end)
+    if start is None:
+        return {"note": "the profiler recorded no kernels (CUPTI unavailable?)"}
+    wall_ms = (end - start) / 1e3 / steps
+    per_step = {kind: us / 1e3 / steps for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1])}
+    return {"kernel_ms_per_step": per_step, "gpu_span_ms_per_step": wall_ms,
+            "exposed_ms_per_step": max(wall_ms - compute_us / 1e3 / steps, 0.0)}
