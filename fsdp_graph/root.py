@@ -128,6 +128,7 @@ class RootContext:
         """Around a whole-step capture: see ``FSDPUnit.forget_events``. Synchronises the device."""
         if self.streams.cuda:
             torch.cuda.synchronize(self.streams.device)
+        self.streams._pending.clear()  # all joined by the synchronize
         for unit in self.units:
             unit.forget_events()
 

@@ -87,6 +87,8 @@ class TrainStep:
         micro = self.micro_batches(batch)
         k = len(micro)
         previous_sync = [u.requires_gradient_sync for u in self._units]
+        if self.optimizer is None:
+            self.clear_grads()  # each call's gradient replaces the last one's (as a graph replay does)
         total = None
         try:
             for i, args in enumerate(micro):
@@ -97,6 +99,9 @@ class TrainStep:
                     loss = loss / k
                 loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
+        except BaseException:
+            self.clear_grads()  # no partial gradient may leak into the next step
+            raise
         finally:
             for unit, flag in zip(self._units, previous_sync):
                 unit.requires_gradient_sync = flag
@@ -106,6 +111,10 @@ class TrainStep:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return total
+
+    def clear_grads(self) -> None:
+        for unit in self._units:
+            unit.clear_grads()
 
     def _loss(self, args: tuple) -> torch.Tensor:
         loss = self.loss_fn(*args)
@@ -153,17 +162,16 @@ class GraphedTrainStep:
         return self.static_loss.clone()
 
     def _eager_step(self) -> torch.Tensor:
-        self.eager_steps += 1
-        with on_stream(self.stream), no_host_sync("the training step", enabled=self.eager_steps > 1):
+        with on_stream(self.stream), no_host_sync("the training step", enabled=self.eager_steps > 0):
             loss = self.body.run(tuple(self.inputs.tensors))
+        self.eager_steps += 1  # only steps that completed count as warm-up
         loss.record_stream(torch.cuda.current_stream(self.device))
         return loss
 
     def _capture(self) -> None:
-        if self.body.optimizer is None:
-            for unit in self.body._units:  # the graph then overwrites .grad (see _expose_grads)
-                for mp in unit.params:
-                    mp.master.grad = None
+        # The capture records one Python path: start it from "no gradient", as every eager step
+        # does, so the graph overwrites the sharded gradients instead of adding to them.
+        self.body.clear_grads()
         self.graph, self.static_loss = capture_whole(
             "graph_train_step", lambda: self.body.run(tuple(self.inputs.tensors)), self.contexts, self.stream
         )
@@ -175,6 +183,13 @@ class GraphedTrainStep:
             unit.expose_sharded_grads()
 
     def _check_learning_rates(self) -> None:
+        optimizer = self.body.optimizer
+        if optimizer is not None and [id(g) for g in optimizer.param_groups] != [id(g) for g, _ in self._learning_rates]:
+            raise RuntimeError(
+                "graph_train_step: the optimizer's param groups were replaced (optimizer.load_state_dict or "
+                "add_param_group); the graph holds the old groups and state. Load state before building "
+                "the step, or build a new step."
+            )
         for i, (group, lr) in enumerate(self._learning_rates):
             if group["lr"] is not lr:
                 raise RuntimeError(

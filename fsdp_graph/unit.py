@@ -467,6 +467,12 @@ class FSDPUnit:
                     grad = view
                 grad.add_(piece, alpha=scale)
 
+    def clear_grads(self) -> None:
+        """No gradient at all: masters' ``.grad`` None, no pending ``no_sync`` accumulation."""
+        for mp in self.params:
+            mp.master.grad = None
+        self._accum_pending = False
+
     def expose_sharded_grads(self) -> None:
         """Point every trainable master's ``.grad`` at its piece of the sharded gradient buffer,
         where a whole-step graph without optimizer writes each step's gradient."""

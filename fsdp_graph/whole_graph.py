@@ -42,9 +42,11 @@ def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
     """Run the body on ``stream``, ordered after and before the current stream's work."""
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        yield
-    current.wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        current.wait_stream(stream)
 
 
 def capture_whole(what: str, run: Callable[[], T], contexts: list[RootContext], stream: torch.cuda.Stream):

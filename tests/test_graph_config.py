@@ -138,3 +138,29 @@ def test_eval_step_runs_in_eval_mode_without_gradients_and_restores_the_mode():
     logits = evaluate(idx)
     assert seen == [(False, False)] and not logits.requires_grad
     assert model.training and not model.blocks[0].training and model.blocks[1].training
+
+
+def test_step_without_optimizer_leaves_this_steps_gradient_and_a_failed_step_leaves_none():
+    model = shard(TinyLM())
+    idx, targets = global_batch(0, 1, torch.device("cpu"))
+    step = fsdp_graph.make_train_step(lambda i, t: lm_loss(model, i, t), model)
+    step(idx, targets)
+    first = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    step(idx, targets)  # same batch: the same gradient, not twice it (a graph replay overwrites too)
+    second = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(first) == len(second) > 0 and all(torch.equal(a, b) for a, b in zip(first, second))
+
+    calls = []
+
+    def failing(i, t):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("data error in micro-batch 2")
+        return lm_loss(model, i, t)
+
+    accumulate = fsdp_graph.make_train_step(failing, model, grad_accum_steps=2)
+    with pytest.raises(RuntimeError, match="micro-batch 2"):
+        accumulate(torch.stack([idx, idx]), torch.stack([targets, targets]))
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(u._accum_pending for u in units_in(model)), "no partial sum may leak into the next step"
+    assert all(u.requires_gradient_sync for u in units_in(model))
