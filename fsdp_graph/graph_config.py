@@ -34,8 +34,7 @@ import torch.nn as nn
 
 from .forward_graph import EvalStep, GraphedForward
 from .fully_shard import _ENCLOSING_ATTR, units_in
-from .graphed_callable import GraphedCallable
-from .module_graphs import Selection, eval_mode, graph_modules, record_sample_args, select_modules
+from .module_graphs import Selection, eval_mode, graph_kinds, graph_modules, record_sample_args, select_modules
 from .train_step import GraphedTrainStep, TrainStep
 from .unit import FSDPUnit, master_owner
 from .whole_graph import root_contexts
@@ -136,7 +135,7 @@ def _check_whole(model: nn.Module, what: str, training: bool) -> None:
     for name, sub in model.named_modules():
         # A whole training graph replays layers' training graphs (forward-only ones fall back to
         # eager with gradients on); a whole evaluation graph would replay forward-only ones.
-        if training in _graph_kinds(sub):
+        if training in graph_kinds(sub):
             raise ValueError(
                 f"{what}: module '{name}' is already graphed with graph_modules; its replay cannot run inside "
                 "another capture. Build the model without graph_modules (the whole graph contains the layers)."
@@ -148,16 +147,6 @@ def _check_whole(model: nn.Module, what: str, training: bool) -> None:
                 f"{what}: parameter '{stray[0]}' belongs to no FSDP unit, so no persistent buffer holds its "
                 "gradient between replays. Call fsdp_graph.fully_shard(model) on the root as well."
             )
-
-
-def _graph_kinds(module: nn.Module) -> set[bool]:
-    """The kinds of graph installed on ``module`` (True: training, False: forward-only), following
-    the fallback chain from the installed one to the other."""
-    kinds, runner = set(), module.__dict__.get("forward")
-    while isinstance(runner, GraphedCallable):
-        kinds.add(runner.captured.grad_enabled)
-        runner = runner.eager
-    return kinds
 
 
 def check_capturable_optimizer(optimizer: torch.optim.Optimizer | None) -> None:

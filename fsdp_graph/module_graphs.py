@@ -96,10 +96,14 @@ def _unit_to_unshard(module: nn.Module, name: str) -> FSDPUnit | None:
     return enclosing
 
 
-def _graphed_for_training(module: nn.Module) -> bool | None:
-    """True / False: ``module`` has a training / forward-only graph installed; None: neither."""
-    runner = module.__dict__.get("forward")
-    return runner.captured.grad_enabled if isinstance(runner, GraphedCallable) else None
+def graph_kinds(module: nn.Module) -> set[bool]:
+    """The kinds of graph installed on ``module`` (True: training, False: forward-only), following
+    the fallback chain from the installed graph to the other kind's."""
+    kinds, runner = set(), module.__dict__.get("forward")
+    while isinstance(runner, GraphedCallable):
+        kinds.add(runner.captured.grad_enabled)
+        runner = runner.eager
+    return kinds
 
 
 def _check_selection(modules: list[nn.Module], names: list[str], forward_only: bool) -> None:
@@ -107,8 +111,8 @@ def _check_selection(modules: list[nn.Module], names: list[str], forward_only: b
         if not isinstance(module, nn.Module):
             raise TypeError(f"graph_modules expects nn.Module objects; item {i} is a {type(module).__name__}")
         for sub in module.modules():
-            graphed = _graphed_for_training(sub)
-            if graphed is not None and not (sub is module and graphed == forward_only):
+            kinds = graph_kinds(sub)
+            if (not forward_only) in kinds or (kinds and sub is not module):
                 kind = "forward-only" if forward_only else "training"
                 raise ValueError(
                     f"graph_modules: {names[i]} is already graphed, or contains a graphed module, and a {kind} graph "

@@ -49,6 +49,12 @@ class CommStreams:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
+    def synchronize(self) -> None:
+        """Wait on the host for all work on the device: every stream is joined afterwards."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self._pending.clear()
+
     def wait_for_all(self) -> None:
         """Compute stream waits for every collective: nothing in flight may race the optimizer
         (a prefetch that was never consumed still reads the master shard)."""
@@ -126,9 +132,7 @@ class RootContext:
 
     def forget_events(self) -> None:
         """Around a whole-step capture: see ``FSDPUnit.forget_events``. Synchronises the device."""
-        if self.streams.cuda:
-            torch.cuda.synchronize(self.streams.device)
-        self.streams._pending.clear()  # all joined by the synchronize
+        self.streams.synchronize()
         for unit in self.units:
             unit.forget_events()
 

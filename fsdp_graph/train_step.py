@@ -64,7 +64,7 @@ class TrainStep:
         self.optimizer = optimizer
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
-        self._units = units_in(model)
+        self.units = units_in(model)
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         return self.run(batch)
@@ -86,13 +86,13 @@ class TrainStep:
         """One step on ``batch``; returns the (mean micro-batch) loss, detached."""
         micro = self.micro_batches(batch)
         k = len(micro)
-        previous_sync = [u.requires_gradient_sync for u in self._units]
+        previous_sync = [u.requires_gradient_sync for u in self.units]
         if self.optimizer is None:
             self.clear_grads()  # each call's gradient replaces the last one's (as a graph replay does)
         total = None
         try:
             for i, args in enumerate(micro):
-                for unit in self._units:
+                for unit in self.units:
                     unit.requires_gradient_sync = i == k - 1  # reduce once, the sum, after the last
                 loss = self._loss(args)
                 if k > 1:
@@ -103,7 +103,7 @@ class TrainStep:
             self.clear_grads()  # no partial gradient may leak into the next step
             raise
         finally:
-            for unit, flag in zip(self._units, previous_sync):
+            for unit, flag in zip(self.units, previous_sync):
                 unit.requires_gradient_sync = flag
         if self.max_grad_norm is not None:
             clip_grad_norm_(self.model, self.max_grad_norm)
@@ -113,7 +113,7 @@ class TrainStep:
         return total
 
     def clear_grads(self) -> None:
-        for unit in self._units:
+        for unit in self.units:
             unit.clear_grads()
 
     def _loss(self, args: tuple) -> torch.Tensor:
@@ -137,7 +137,7 @@ class GraphedTrainStep:
         check_full_iteration(body.model, body.optimizer, warmup_steps)
         self.body = body
         body.micro_batches(tuple(example_batch))  # the stacked-micro-batch layout, checked up front
-        self.device = body._units[0].device
+        self.device = body.units[0].device
         self.inputs = StaticInputs("graph_train_step", tuple(example_batch), self.device)
         self.warmup_steps = warmup_steps
         self.contexts = root_contexts(body.model)
@@ -179,7 +179,7 @@ class GraphedTrainStep:
     def _expose_grads(self) -> None:
         """The graph wrote this step's gradients into the units' sharded gradient buffers: point
         ``.grad`` back at them if ``zero_grad()`` set it to None."""
-        for unit in self.body._units:
+        for unit in self.body.units:
             unit.expose_sharded_grads()
 
     def _check_learning_rates(self) -> None:

@@ -52,8 +52,7 @@ def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
 def capture_whole(what: str, run: Callable[[], T], contexts: list[RootContext], stream: torch.cuda.Stream):
     """Capture ``run()`` on ``stream``; returns (graph, what ``run`` returned: its static outputs)."""
     for ctx in contexts:
-        ctx.forget_events()
-    torch.cuda.synchronize(stream.device)
+        ctx.forget_events()  # (synchronises the device)
     graph = torch.cuda.CUDAGraph()
     try:
         with _gc_paused(), torch.cuda.graph(graph, stream=stream):

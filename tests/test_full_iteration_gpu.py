@@ -170,6 +170,20 @@ def test_full_iteration_refuses_other_shapes_and_a_replaced_learning_rate():
     opt.param_groups[0]["lr"] = 1e-4
     with pytest.raises(RuntimeError, match=r"learning rate was replaced.*fill_\(value\)"):
         step(*_cuda_batch())
+    opt.load_state_dict(opt.state_dict())  # new param-group dicts: the graph holds the old ones
+    with pytest.raises(RuntimeError, match="param groups were replaced.*build a new step"):
+        step(*_cuda_batch())
+    with pytest.raises(ValueError, match="needs an example batch"):
+        fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, config=GraphConfig(strategy="full_iteration"))
+
+
+@needs_one
+def test_whole_eval_graph_refuses_to_run_inside_a_training_step():
+    model = _single_gpu_model()
+    evaluate = fsdp_graph.graph_forward(model, _cuda_batch())
+    model.blocks[0].register_forward_pre_hook(lambda m, a: evaluate(*_cuda_batch()))
+    with pytest.raises(RuntimeError, match="call it between training steps"):
+        model(*_cuda_batch())
 
 
 @needs_one

@@ -164,3 +164,43 @@ def test_step_without_optimizer_leaves_this_steps_gradient_and_a_failed_step_lea
     assert all(p.grad is None for p in model.parameters())
     assert not any(u._accum_pending for u in units_in(model)), "no partial sum may leak into the next step"
     assert all(u.requires_gradient_sync for u in units_in(model))
+
+
+def test_static_inputs_take_tensors_in_the_captured_layout_only():
+    from fsdp_graph.static_inputs import StaticInputs
+
+    with pytest.raises(TypeError, match=r"argument 1 is a int.*functools.partial or a lambda"):
+        StaticInputs("graph_train_step", (torch.zeros(2), 3), torch.device("cpu"))
+    inputs = StaticInputs("graph_train_step", (torch.zeros(2, 4),), torch.device("cpu"))
+    with pytest.raises(TypeError, match="called with 2 argument"):
+        inputs.copy_in((torch.zeros(2, 4), torch.zeros(2, 4)))
+    with pytest.raises(ValueError, match=r"argument 0 is shape \(2, 5\).*captured with shape \(2, 4\).*pad every batch"):
+        inputs.copy_in((torch.zeros(2, 5),))
+    inputs.copy_in((torch.ones(2, 4),))
+    assert torch.equal(inputs.tensors[0], torch.ones(2, 4))
+
+
+def test_sample_recording_refuses_a_module_the_example_forward_never_runs():
+    from fsdp_graph.module_graphs import record_sample_args
+
+    model = TinyLM()
+    idx, _ = global_batch(0, 1, torch.device("cpu"))
+    unused = nn.Linear(2, 2)
+    samples = record_sample_args([model.blocks[0]], lambda: model(idx))
+    assert samples[0][0][0].shape == (2, 8, 10) and samples[0][0][0].grad_fn is None
+    with pytest.raises(ValueError, match="did not run in the example forward"):
+        record_sample_args([model.blocks[0], unused], lambda: model(idx))
+    assert not model.blocks[0]._forward_pre_hooks, "recording hooks are removed"
+    with pytest.raises(TypeError, match="loss_fn must be a callable"):
+        fsdp_graph.make_train_step("loss", model)
+
+
+def test_a_module_takes_one_graph_of_each_kind():
+    lin = nn.Linear(3, 3)
+    training, _ = emulated(lin, (torch.randn(2, 3, requires_grad=True),))
+    forward_only, _ = emulated(lin, (torch.randn(2, 3),))
+    forward_only.captured.grad_enabled, forward_only.eager = False, training  # the chain graph_modules builds
+    lin.forward = forward_only
+    for kind in (False, True):
+        with pytest.raises(ValueError, match="capture each module once per kind"):
+            fsdp_graph.graph_modules([lin], [(torch.randn(2, 3),)], forward_only=kind)
