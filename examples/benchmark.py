@@ -13,7 +13,8 @@ fp32 gradient reduction:
   ours_eager         fsdp_graph.fully_shard per block and on the root
   ours_layer_graphs  the same, every block graphed with fsdp_graph.graph_modules
   ours_full_iteration  the same, the whole step (collectives and a capturable AdamW step
-                     included) as one graph: fsdp_graph.graph_train_step
+                     included) as one graph: fsdp_graph.make_train_step with
+                     GraphConfig(strategy="full_iteration")
   floor              the unsharded model's forward+backward as one graph on one GPU: no
                      communication, no optimizer; the time a step cannot beat
 
@@ -159,8 +160,9 @@ def ours_full_iteration(bench, env, batches, warmup):
     """The first ``warmup`` calls are eager steps inside the graphed step, then it captures."""
     model = ours_sharded(bench, env)
     opt = make_optimizer(model, capturable=True)
-    step = fsdp_graph.graph_train_step(lambda idx, targets: model(idx, targets)[1], batches[0], model=model,
-                                       optimizer=opt, warmup_steps=warmup)
+    config = fsdp_graph.GraphConfig(strategy="full_iteration", num_warmup_iters=warmup)
+    step = fsdp_graph.make_train_step(lambda idx, targets: model(idx, targets)[1], model, opt, config=config,
+                                      example_batch=batches[0])
     step.optimizer_ms = lambda: optimizer_step_ms(opt)
     return step, None
 

@@ -1,56 +1,53 @@
 """Host time of fsdp_graph's per-layer hot path: each FSDP unit step and each graph replay.
 
-A CUDA-graphed layer is fast only if the host issues it faster than the GPU runs it. This
-wraps the unit's four steps and the graphed callable's forward/backward with wall-clock
-timers (host time only: the GPU work they launch runs asynchronously), for the benchmark's
-``--hot-path`` report. The timers add a little overhead of their own, so they run on extra
-steps, never on the timed ones.
+A CUDA-graphed layer is fast only if the host issues it faster than the GPU runs it. This times
+the unit steps and the graphed callables' forward/backward on the wall clock, through the
+package's introspection API (``watch_steps``, ``watch_replays``), for the benchmark's
+``--hot-path`` report. Host time only: the GPU work they launch runs asynchronously. The timers
+add a little overhead of their own, so they run on extra steps, never on the timed ones.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import ExitStack
 
-from fsdp_graph.graphed_callable import GraphedCallable, _Replay
-from fsdp_graph.unit import FSDPUnit
+from fsdp_graph.fsdp.introspect import watch_steps
+from fsdp_graph.graphs.introspect import watch_replays
 
-TARGETS = (
-    (FSDPUnit, "pre_forward", "unit.pre_forward (unshard)"),
-    (FSDPUnit, "post_forward", "unit.post_forward (reshard)"),
-    (FSDPUnit, "pre_backward", "unit.pre_backward (unshard, zero grads)"),
-    (FSDPUnit, "post_backward", "unit.post_backward (reduce-scatter)"),
-    (GraphedCallable, "__call__", "graph forward (checks, input copy, replay)"),
-    (_Replay, "backward", "graph backward (grad copy, replay)"),
-)
+LABELS = {
+    "pre_forward": "unit.pre_forward (unshard, prefetch)",
+    "post_forward": "unit.post_forward (reshard)",
+    "pre_backward": "unit.pre_backward (unshard, zero grads, prefetch)",
+    "post_backward": "unit.post_backward (reduce-scatter)",
+    "end_backward": "root.end_backward (includes the root's post_backward)",
+    "graph_forward": "graph forward (checks, input copy, replay)",
+    "graph_backward": "graph backward (grad copy, replay)",
+}
 
 
 class HotPathTimer:
     def __init__(self) -> None:
         self.total = defaultdict(float)
         self.calls = defaultdict(int)
-        self._originals = []
+        self._started: list[float] = []
+        self._watching = ExitStack()
+
+    def _before(self, what: str, subject) -> None:
+        self._started.append(time.perf_counter())
+
+    def _after(self, what: str, subject) -> None:
+        label = LABELS[what]
+        self.total[label] += time.perf_counter() - self._started.pop()
+        self.calls[label] += 1
 
     def start(self) -> None:
-        for owner, attr, label in TARGETS:
-            original = owner.__dict__[attr]
-            function = original.__func__ if isinstance(original, staticmethod) else original
-
-            def timed(*args, _function=function, _label=label, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return _function(*args, **kwargs)
-                finally:
-                    self.total[_label] += time.perf_counter() - t0
-                    self.calls[_label] += 1
-
-            setattr(owner, attr, staticmethod(timed) if isinstance(original, staticmethod) else timed)
-            self._originals.append((owner, attr, original))
+        self._watching.enter_context(watch_steps(self._before, self._after))
+        self._watching.enter_context(watch_replays(self._before, self._after))
 
     def stop(self) -> None:
-        for owner, attr, original in reversed(self._originals):
-            setattr(owner, attr, original)
-        self._originals.clear()
+        self._watching.close()
 
     def per_call_us(self) -> dict[str, dict]:
         return {

@@ -31,7 +31,7 @@ def test_benchmark_smoke_run_writes_records_table_and_chart(tmp_path):
         if r["system"] != "floor":
             assert len(r["losses"]) == 4 and r["losses_match_ours"], r
     assert records["ours_eager"]["losses_bitwise_equal_ours"]
-    assert "unit.pre_forward (unshard)" in records["ours_eager"]["hot_path_us"]
+    assert "unit.pre_forward (unshard, prefetch)" in records["ours_eager"]["hot_path_us"]
     table = (tmp_path / "results.md").read_text()
     assert "| smoke | fsdp2_eager |" in table and "| smoke | ours_eager |" in table
     if importlib.util.find_spec("matplotlib") is not None:

@@ -6,21 +6,23 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from fsdp_graph.buffers import Placement
-from fsdp_graph.flat_layout import ALIGN_NUMEL, FlatLayout
+from fsdp_graph.fsdp.buffers import BufferDtypes, Placement, PlacementRequest, plan_placements
+from fsdp_graph.fsdp.flat_layout import ALIGN_NUMEL, FlatLayout
+from fsdp_graph.fsdp.introspect import unit_buffers, unsharded_grad_addresses, unsharded_param_addresses
+from fsdp_graph.fsdp.registry import units_in
 from models import build, local_loss, shard
 
 
 def _addresses_per_iteration(model, info, iterations: int = 3) -> list[dict]:
     """For every unit and iteration: addresses of its unsharded parameters (seen by the module
     during forward) and of their gradients (after backward)."""
-    units = model.fsdp_unit.subtree_units
+    units = units_in(model)
     seen: list[dict] = []
     handles = []
 
     def record_forward(module, args, output):
         unit = module.fsdp_unit
-        seen[-1][unit.name] = {"params": tuple(p.data_ptr() for p in unit._unsharded)}
+        seen[-1][unit.name] = {"params": tuple(unsharded_param_addresses(unit))}
 
     for unit in units:
         handles.append(unit.module.register_forward_hook(record_forward, prepend=True))
@@ -29,9 +31,7 @@ def _addresses_per_iteration(model, info, iterations: int = 3) -> list[dict]:
         seen.append({})
         local_loss(model, step, info).backward()
         for unit in units:
-            seen[-1][unit.name]["grads"] = tuple(
-                p.grad.data_ptr() if p.grad is not None else None for p in unit._unsharded
-            )
+            seen[-1][unit.name]["grads"] = tuple(unsharded_grad_addresses(unit))
         opt.step()
         opt.zero_grad()
     for h in handles:
@@ -43,7 +43,7 @@ def _stable_addresses(info, big_block, persist: bool) -> None:
     model, _ = build(info.device, big_block=big_block)
     shard(model, persist_buffer_on_alloc_fail=persist)
     seen = _addresses_per_iteration(model, info)
-    units = {u.name: u for u in model.fsdp_unit.subtree_units}
+    units = {u.name: u for u in units_in(model)}
     placements = {name: u.placement for name, u in units.items()}
 
     expected = {"<root> (TinyLM)": Placement.DEDICATED if persist else Placement.DYNAMIC}
@@ -59,24 +59,23 @@ def _stable_addresses(info, big_block, persist: bool) -> None:
         for later in seen[1:]:
             assert later[name] == first, f"{name}: addresses moved between iterations"
         unit = units[name]
-        grads = unit._buffers.grads.tensor
-        lo, hi = grads.data_ptr(), grads.data_ptr() + grads.numel() * grads.element_size()
-        for i, ptr in enumerate(first["grads"]):
-            if i in unit._trainable:
-                assert ptr is not None and lo <= ptr < hi, f"{name}: gradient {i} outside the unit's buffer"
+        lo, hi = unit_buffers(unit).grads
+        for param, ptr in zip(unit.params, first["grads"]):
+            if param.requires_grad:
+                assert ptr is not None and lo <= ptr < hi, f"{name}: gradient of {param.name} outside the unit's buffer"
             else:
-                assert ptr is None, f"{name}: frozen parameter {i} got a gradient"
+                assert ptr is None, f"{name}: frozen parameter {param.name} got a gradient"
 
     slot_units = [n for n, p in placements.items() if p is Placement.SLOT]
-    slot_bases = {units[n]._buffers.params.data_ptr() for n in slot_units}
+    slot_bases = {unit_buffers(units[n]).params[0] for n in slot_units}
     assert len(slot_bases) == 2, "slot units share exactly two slots"
     # consecutive slot units alternate
     ordered = [n for n in (f"blocks.{i} (Block)" for i in range(3)) if n in slot_units]
     for a, b in zip(ordered, ordered[1:]):
-        assert units[a]._buffers is not units[b]._buffers
+        assert unit_buffers(units[a]).params != unit_buffers(units[b]).params
     for name in placements:
         if placements[name] is Placement.DEDICATED:
-            assert units[name]._buffers.params.data_ptr() not in slot_bases
+            assert unit_buffers(units[name]).params[0] not in slot_bases
 
 
 @pytest.mark.parametrize("big_block,persist", [(None, True), (1, True), (1, False)])
@@ -88,10 +87,9 @@ def _dynamic_without_double_buffer(info) -> None:
     model, _ = build(info.device)
     shard(model, double_buffer=False)
     local_loss(model, 0, info).backward()
-    assert {u.placement for u in model.fsdp_unit.subtree_units} == {Placement.DYNAMIC}  # decided at lazy init
-    for unit in model.fsdp_unit.subtree_units:
-        assert unit._buffers.params.untyped_storage().nbytes() == 0, f"{unit.name}: memory not freed at reshard"
-        assert unit._buffers.grads.tensor.untyped_storage().nbytes() == 0, unit.name
+    assert {u.placement for u in units_in(model)} == {Placement.DYNAMIC}  # decided at lazy init
+    for unit in units_in(model):
+        assert unit_buffers(unit).nbytes_held == 0, f"{unit.name}: memory not freed at reshard"
 
 
 def test_double_buffer_false_allocates_per_unshard():
@@ -111,3 +109,31 @@ def test_flat_layout_covers_every_element_once(world_size):
             covered += [(i, span.piece_start + k) for k in range(span.piece_numel)]
     expected = [(i, k) for i, s in enumerate(shapes) for k in range(s.numel())]
     assert sorted(covered) == expected
+
+
+def _request(numel: int, **kwargs) -> PlacementRequest:
+    fields = dict(numel=numel, world_size=2, dtypes=BufferDtypes(torch.bfloat16, torch.float32),
+                  device=torch.device("cpu"), group_id=0, double_buffer=True, persist_buffer_on_alloc_fail=True,
+                  has_inner_units=False)
+    return PlacementRequest(**{**fields, **kwargs})
+
+
+def test_placement_plan_is_a_pure_function_of_the_requests():
+    """The rule, without a process group: leaf units of the most common size share two slots; a
+    larger one and a unit with units inside get dedicated buffers (or dynamic ones without
+    persist_buffer_on_alloc_fail); double_buffer=False is dynamic; other dtypes get their own pool."""
+    requests = [
+        _request(512, has_inner_units=True),  # a root
+        _request(256), _request(256), _request(256), _request(128), _request(1024),  # blocks, a small and a large one
+        _request(1024, persist_buffer_on_alloc_fail=False),
+        _request(256, double_buffer=False),
+        _request(64, dtypes=BufferDtypes(torch.float32, torch.float32)),  # alone in its pool
+    ]
+    plan = plan_placements(requests)
+    assert [p for p, _ in plan] == [
+        Placement.DEDICATED, Placement.SLOT, Placement.SLOT, Placement.SLOT, Placement.SLOT, Placement.DEDICATED,
+        Placement.DYNAMIC, Placement.DYNAMIC, Placement.SLOT,
+    ]
+    pools = [pool for _, pool in plan]
+    assert pools[1] is pools[2] is pools[3] is pools[4] and pools[1].numel == 256 and pools[1].shard_numel == 128
+    assert pools[8] is not pools[1] and pools[8].numel == 64

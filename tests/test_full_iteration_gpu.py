@@ -29,6 +29,10 @@ WARMUP = 3
 LR_CHANGE_AT = 10
 
 
+def _whole_step(num_warmup_iters: int = WARMUP) -> GraphConfig:
+    return GraphConfig(strategy="full_iteration", num_warmup_iters=num_warmup_iters)
+
+
 def _stacked_batch(step: int, info, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
     if accum == 1:
         return _batch(step, info)
@@ -41,7 +45,7 @@ def _train(info, strategy: str, accum: int, max_grad_norm, optimizer_in_step: bo
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
     step = fsdp_graph.make_train_step(
         lambda idx, targets: model(idx, targets)[1], model, opt if optimizer_in_step else None,
-        config=GraphConfig(strategy=strategy, warmup_steps=WARMUP), example_batch=_stacked_batch(0, info, accum),
+        config=GraphConfig(strategy=strategy, num_warmup_iters=WARMUP), example_batch=_stacked_batch(0, info, accum),
         grad_accum_steps=accum, max_grad_norm=max_grad_norm,
     )
     losses = []
@@ -149,7 +153,7 @@ def test_host_sync_in_the_step_is_found_by_the_warmup_before_capture():
             raise AssertionError("unreachable")
         return loss
 
-    step = fsdp_graph.graph_train_step(loss_fn, _cuda_batch(), model=model, optimizer=opt, warmup_steps=2)
+    step = fsdp_graph.make_train_step(loss_fn, model, opt, config=_whole_step(2), example_batch=_cuda_batch())
     step(*_cuda_batch())  # the first warm-up step may initialise lazily: not checked
     with pytest.raises(fsdp_graph.HostSyncError, match=r"synchronises with the host \(\.item\(\)"):
         step(*_cuda_batch())
@@ -160,7 +164,8 @@ def test_host_sync_in_the_step_is_found_by_the_warmup_before_capture():
 def test_full_iteration_refuses_other_shapes_and_a_replaced_learning_rate():
     model = _single_gpu_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
-    step = fsdp_graph.graph_train_step(lambda i, t: model(i, t)[1], _cuda_batch(), model=model, optimizer=opt, warmup_steps=1)
+    step = fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, opt, config=_whole_step(1),
+                                      example_batch=_cuda_batch())
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and opt.param_groups[0]["lr"].is_cuda
     for _ in range(3):
         loss = step(*_cuda_batch())
@@ -180,7 +185,7 @@ def test_full_iteration_refuses_other_shapes_and_a_replaced_learning_rate():
 @needs_one
 def test_whole_eval_graph_refuses_to_run_inside_a_training_step():
     model = _single_gpu_model()
-    evaluate = fsdp_graph.graph_forward(model, _cuda_batch())
+    evaluate = fsdp_graph.make_eval_step(model, config=GraphConfig(forward_only="model"), example_args=_cuda_batch())
     model.blocks[0].register_forward_pre_hook(lambda m, a: evaluate(*_cuda_batch()))
     with pytest.raises(RuntimeError, match="call it between training steps"):
         model(*_cuda_batch())
@@ -192,9 +197,9 @@ def test_whole_eval_graph_refuses_layer_eval_graphs_which_fall_back_with_grad_en
     x = torch.randn(MICRO_BATCH, CFG.seq_len, CFG.d_model, device="cuda")
     fsdp_graph.graph_modules(list(model.blocks), [(x,)] * len(model.blocks), forward_only=True)
     with pytest.raises(ValueError, match="already graphed with graph_modules"):
-        fsdp_graph.graph_forward(model, _cuda_batch())
+        fsdp_graph.make_eval_step(model, config=GraphConfig(forward_only="model"), example_args=_cuda_batch())
     # A whole training step may contain them: with gradients on they run eagerly.
-    fsdp_graph.graph_train_step(lambda i, t: model(i, t)[1], _cuda_batch(), model=model)
+    fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, config=_whole_step(), example_batch=_cuda_batch())
     idx, targets = _cuda_batch()
     model.eval()
     with torch.no_grad():

@@ -8,29 +8,16 @@ import torch
 
 import fsdp_graph
 from dist_harness import run_ranks
-from fsdp_graph.root import RootContext
-from fsdp_graph.unit import FSDPUnit
+from fsdp_graph.fsdp.introspect import watch_steps
 from models import build, local_loss, shard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-STEPS = ("pre_forward", "post_forward", "pre_backward", "post_backward")
+STEPS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "end_backward")
 
 
-def _count_allocations(owner: type, names, counts: dict) -> dict:
-    originals = {}
-    for name in names:
-        original = getattr(owner, name)
-        originals[name] = original
-
-        def counted(self, _original=original, _name=name):
-            before = torch.cuda.memory_stats()["allocation.all.allocated"]
-            result = _original(self)
-            counts[_name] = counts.get(_name, 0) + torch.cuda.memory_stats()["allocation.all.allocated"] - before
-            return result
-
-        setattr(owner, name, counted)
-    return originals
+def _allocations() -> int:
+    return torch.cuda.memory_stats()["allocation.all.allocated"]
 
 
 def _steady_state_allocations(info, mp_policy) -> None:
@@ -38,9 +25,15 @@ def _steady_state_allocations(info, mp_policy) -> None:
     shard(model, mp_policy=mp_policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     counts: dict = {}
-    unit_originals = _count_allocations(FSDPUnit, STEPS, counts)
-    root_originals = _count_allocations(RootContext, ("end_backward",), counts)
-    try:
+    started: list = []
+
+    def before(step, unit):
+        started.append(_allocations())
+
+    def after(step, unit):
+        counts[step] = counts.get(step, 0) + _allocations() - started.pop()
+
+    with watch_steps(before, after):
         for step in range(6):
             if step == 3:
                 counts.clear()  # warm-up done: slots, dedicated buffers, optimizer state exist
@@ -50,11 +43,7 @@ def _steady_state_allocations(info, mp_policy) -> None:
             opt.step()
             opt.zero_grad(set_to_none=step % 2 == 0)  # both ways of zeroing keep the same buffers
         torch.cuda.synchronize()
-    finally:
-        for name, original in unit_originals.items():
-            setattr(FSDPUnit, name, original)
-        setattr(RootContext, "end_backward", root_originals["end_backward"])
-    assert set(counts) == set(STEPS) | {"end_backward"}, counts
+    assert set(counts) == set(STEPS), counts
     assert all(v == 0 for v in counts.values()), f"allocations inside hooks in steady state: {counts}"
 
 

@@ -14,9 +14,9 @@ import torch.nn as nn
 
 import fsdp_graph
 from dist_harness import run_ranks
-from fsdp_graph import GraphConfig, validate_graph_config
-from fsdp_graph.fully_shard import units_in
-from fsdp_graph.graph_config import check_capturable_optimizer
+from fsdp_graph import GraphConfig
+from fsdp_graph.fsdp.registry import units_in
+from fsdp_graph.steps.graph_config import check_capturable_optimizer, validate_graph_config
 from models import TinyLM, assert_full_state_matches, build, global_batch, lm_loss, local_part, shard
 from test_graphed_callable import emulated
 
@@ -28,8 +28,8 @@ def test_config_values_are_normalised_or_refused_with_the_choices():
         validate_graph_config(GraphConfig(strategy="layers"), model)
     with pytest.raises(ValueError, match=r"forward_only is 'whole'; choose one of 'none', 'layer', 'model'"):
         validate_graph_config(GraphConfig(forward_only="whole"), model)
-    with pytest.raises(ValueError, match="warmup_steps must be an int >= 1"):
-        validate_graph_config(GraphConfig(warmup_steps=0), model)
+    with pytest.raises(ValueError, match="num_warmup_iters must be an int >= 1"):
+        validate_graph_config(GraphConfig(num_warmup_iters=0), model)
     with pytest.raises(TypeError, match="expected a fsdp_graph.GraphConfig"):
         validate_graph_config({"strategy": "layer"}, model)
 
@@ -162,16 +162,16 @@ def test_step_without_optimizer_leaves_this_steps_gradient_and_a_failed_step_lea
     with pytest.raises(RuntimeError, match="micro-batch 2"):
         accumulate(torch.stack([idx, idx]), torch.stack([targets, targets]))
     assert all(p.grad is None for p in model.parameters())
-    assert not any(u._accum_pending for u in units_in(model)), "no partial sum may leak into the next step"
+    assert not any(u.grads.accumulation_pending for u in units_in(model)), "no partial sum may leak into the next step"
     assert all(u.requires_gradient_sync for u in units_in(model))
 
 
 def test_static_inputs_take_tensors_in_the_captured_layout_only():
-    from fsdp_graph.static_inputs import StaticInputs
+    from fsdp_graph.graphs.static_inputs import StaticInputs
 
     with pytest.raises(TypeError, match=r"argument 1 is a int.*functools.partial or a lambda"):
-        StaticInputs("graph_train_step", (torch.zeros(2), 3), torch.device("cpu"))
-    inputs = StaticInputs("graph_train_step", (torch.zeros(2, 4),), torch.device("cpu"))
+        StaticInputs("make_train_step", (torch.zeros(2), 3), torch.device("cpu"))
+    inputs = StaticInputs("make_train_step", (torch.zeros(2, 4),), torch.device("cpu"))
     with pytest.raises(TypeError, match="called with 2 argument"):
         inputs.copy_in((torch.zeros(2, 4), torch.zeros(2, 4)))
     with pytest.raises(ValueError, match=r"argument 0 is shape \(2, 5\).*captured with shape \(2, 4\).*pad every batch"):
@@ -181,7 +181,7 @@ def test_static_inputs_take_tensors_in_the_captured_layout_only():
 
 
 def test_sample_recording_refuses_a_module_the_example_forward_never_runs():
-    from fsdp_graph.module_graphs import record_sample_args
+    from fsdp_graph.graphs.module_graphs import record_sample_args
 
     model = TinyLM()
     idx, _ = global_batch(0, 1, torch.device("cpu"))

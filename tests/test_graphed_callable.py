@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_graph.capture import _backward, _Callable, _captured_call, _forward
-from fsdp_graph.graphed_callable import GraphedCallable
+from fsdp_graph.graphs.capture import CaptureTarget, backward_pass, captured_call, forward_pass
+from fsdp_graph.graphs.graphed_callable import GraphedCallable
 
 
 class _EmulatedGraphs:
@@ -71,12 +71,12 @@ class Scaled(nn.Module):
 
 def emulated(module: nn.Module, args: tuple, kwargs: dict | None = None):
     """Capture ``module`` the way make_graphed_callables does, with emulated graphs."""
-    call = _Callable(module, "Scaled", args, kwargs or {}, {k: {} for k in ("pre_forward", "forward", "pre_backward", "backward")})
-    fwd = _forward(call)
-    bwd = _backward(call, fwd)
+    call = CaptureTarget(module, "Scaled", args, kwargs or {}, {k: {} for k in ("pre_forward", "forward", "pre_backward", "backward")})
+    fwd = forward_pass(call)
+    bwd = backward_pass(call, fwd)
     graphs = _EmulatedGraphs(module)
     call.fwd_graph, call.bwd_graph = graphs.forward_graph(), graphs.backward_graph()
-    captured = _captured_call(call, fwd, bwd, grad_enabled=True)
+    captured = captured_call(call, fwd, bwd, grad_enabled=True)
     graphs.captured = captured
     return GraphedCallable(captured, eager=module.forward, module=module), graphs
 
@@ -210,6 +210,6 @@ def test_replay_under_another_autocast_setting_is_refused():
 
 def test_capture_time_pre_forward_hook_must_return_args_and_kwargs():
     bad = {"pre_forward": {0: lambda m, a, k: a}, "forward": {}, "pre_backward": {}, "backward": {}}
-    call = _Callable(Scaled(), "Scaled", (torch.zeros(1, 3),), {}, bad)
+    call = CaptureTarget(Scaled(), "Scaled", (torch.zeros(1, 3),), {}, bad)
     with pytest.raises(TypeError, match="pre_forward hook of Scaled must return None or \\(args, kwargs\\)"):
         call.run_pre_forward((torch.zeros(1, 3),), {})

@@ -7,37 +7,30 @@ import torch
 
 import fsdp_graph
 from dist_harness import run_ranks
-from fsdp_graph.hooks import (
+from fsdp_graph.fsdp.hooks import (
     cast_forward_inputs,
     install_post_backward,
     install_pre_backward,
     post_forward_reshard,
     pre_forward_unshard,
 )
-from fsdp_graph.unit import FSDPUnit
+from fsdp_graph.fsdp.introspect import watch_steps
+from fsdp_graph.fsdp.param_group import ShardState
+from fsdp_graph.fsdp.registry import root_contexts, units_in
+from fsdp_graph.fsdp.training_state import TrainingState
 from models import build, global_batch, lm_loss, local_loss, shard
-
-
-def _trace_unit_steps(log: list):
-    originals = {}
-    for step in ("pre_forward", "post_forward", "pre_backward", "post_backward"):
-        original = getattr(FSDPUnit, step)
-        originals[step] = original
-
-        def traced(self, _original=original, _step=step):
-            log.append((self.name.split(" ")[0], _step))
-            return _original(self)
-
-        setattr(FSDPUnit, step, traced)
-    return originals
 
 
 def _hook_order(info) -> None:
     model, _ = build(info.device, n_blocks=2)
     shard(model)
     log: list = []
-    originals = _trace_unit_steps(log)
-    try:
+
+    def trace(step, unit):
+        if step != "end_backward":  # the root's callback; it runs the root's post_backward, traced below
+            log.append((unit.name.split(" ")[0], step))
+
+    with watch_steps(before=trace):
         for step in range(2):  # the second iteration runs with prefetching
             log.clear()
             loss = local_loss(model, step, info)
@@ -52,10 +45,7 @@ def _hook_order(info) -> None:
                 ("blocks.0", "pre_backward"), ("blocks.0", "post_backward"),
                 ("<root>", "post_backward"),  # the root's end-of-backward step: its inputs need no grad
             ], log
-            assert all(u.state is fsdp_graph.TrainingState.IDLE for u in model.fsdp_unit.subtree_units)
-    finally:
-        for name, original in originals.items():
-            setattr(FSDPUnit, name, original)
+            assert all(u.state is TrainingState.IDLE for u in units_in(model))
 
 
 def test_hooks_run_in_unit_order():
@@ -70,12 +60,12 @@ def _prefetch(info) -> None:
     block1 = model.blocks[1].fsdp_unit
     seen = []
     # appended, so it runs after FSDP's (prepended) hooks, right before blocks[0].forward
-    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(block1._prefetched))
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(block1.shard_state is ShardState.PREFETCHED))
     for step in range(2):
         local_loss(model, step, info).backward()
     assert seen == [False, True], seen
-    ctx = model.fsdp_unit.root_ctx
-    assert [u.name.split(" ")[0] for u in ctx.backward_order] == ["<root>", "blocks.2", "blocks.1", "blocks.0"]
+    (ctx,) = root_contexts(model)
+    assert [u.name.split(" ")[0] for u in ctx.order.backward] == ["<root>", "blocks.2", "blocks.1", "blocks.0"]
     if info.device.type == "cuda":
         current = torch.cuda.current_stream()
         assert ctx.streams.all_gather != current and ctx.streams.reduce != current
@@ -132,7 +122,7 @@ def _drive_by_hand(info) -> None:
     finally:
         block._forward_pre_hooks.update(saved["pre"])
         block._forward_hooks.update(saved["post"])
-    assert unit.state is fsdp_graph.TrainingState.IDLE
+    assert unit.state is TrainingState.IDLE
     for (name, a), (_, m) in zip(auto.blocks[0].named_parameters(), block.named_parameters()):
         if a.grad is None:
             assert m.grad is None, name
@@ -160,4 +150,4 @@ def test_impossible_transitions_raise():
     pre_forward_unshard(block, (), {})
     idx, targets = global_batch(0, 1, torch.device("cpu"))
     lm_loss(model, idx, targets).backward()
-    assert block.fsdp_unit.state is fsdp_graph.TrainingState.IDLE
+    assert block.fsdp_unit.state is TrainingState.IDLE

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_graph
-from fsdp_graph.hooks import (
+from fsdp_graph.fsdp.hooks import (
     cast_forward_inputs,
     install_post_backward,
     install_pre_backward,
@@ -16,8 +16,11 @@ from fsdp_graph.hooks import (
     pre_backward_handler,
     pre_forward_unshard,
 )
-from fsdp_graph.reroute import hooks_taken_off, seal_submodule_hooks
-from fsdp_graph.training_state import TrainingState
+from fsdp_graph.fsdp.introspect import unit_buffers
+from fsdp_graph.fsdp.registry import pinned_by, root_contexts
+from fsdp_graph.fsdp.training_state import TrainingState
+from fsdp_graph.graphs.graphed_callable import GraphedCallable
+from fsdp_graph.graphs.reroute import hooks_taken_off, seal_submodule_hooks
 from models import Block, TinyLM
 
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
@@ -131,7 +134,7 @@ def test_capture_time_unit_steps_leave_fsdp_state_as_before():
     guard graph_modules uses: the unit ends idle, the masters' .grad and the recorded order untouched."""
     block = _sharded_block()
     unit = block.fsdp_unit
-    ctx = unit.ensure_root_ctx()
+    (ctx,) = root_contexts(block)
     with hooks_taken_off([block], ["block"]) as (taken,):
         hooks = taken.capture_time_hooks()
         with ctx.outside_training_step():
@@ -152,7 +155,7 @@ def test_capture_time_unit_steps_leave_fsdp_state_as_before():
             assert any(m.grad is not None for m in unit.module.parameters())  # the capture reduced (zeros)
     assert unit.state is TrainingState.IDLE
     assert all(p.grad is None and p.dim() == 1 for p in block.parameters())  # masters back, .grad as before
-    assert ctx.forward_order == [] and ctx.backward_order == []
+    assert ctx.order.forward == [] and ctx.order.backward == []
 
 
 def test_graph_modules_refuses_units_without_persistent_buffers():
@@ -260,15 +263,16 @@ def test_capture_binds_slots_in_module_order():
     which blocks share a slot: neighbours alternate, as in training."""
     model = _sharded_tiny_lm(n_blocks=4)
     units = [b.fsdp_unit for b in model.blocks]
-    with units[0].ensure_root_ctx().outside_training_step():
-        units[3].pre_forward()  # capture of blocks[3] only, say
-        units[3].post_forward()
-    slots = [u._buffers for u in units]
-    assert slots[0] is slots[2] and slots[1] is slots[3] and slots[0] is not slots[1]
+    (ctx,) = root_contexts(model)
+    with ctx.outside_training_step():
+        ctx.pre_forward(units[3])  # capture of blocks[3] only, say
+        ctx.post_forward(units[3])
+    slots = [unit_buffers(u).params for u in units]
+    assert slots[0] == slots[2] and slots[1] == slots[3] and slots[0] != slots[1]
 
 
 def test_graph_modules_puts_hooks_and_fsdp_state_back_when_capture_fails(monkeypatch):
-    import fsdp_graph.module_graphs as gm
+    import fsdp_graph.graphs.module_graphs as gm
 
     model = _sharded_tiny_lm()
     block = model.blocks[1]
@@ -287,9 +291,9 @@ def test_graph_modules_puts_hooks_and_fsdp_state_back_when_capture_fails(monkeyp
         fsdp_graph.graph_modules([block], [(torch.randn(2, 8, 10),)])
     for attr, (obj, ids) in before.items():
         assert getattr(block, attr) is obj and list(obj) == ids
-    assert block.fsdp_unit.state is TrainingState.IDLE and not block.fsdp_unit.graphed
+    assert block.fsdp_unit.state is TrainingState.IDLE and pinned_by(block) is None
     assert all(p.dim() == 1 and p.grad is None for p in block.parameters())  # masters back in place
-    assert not isinstance(block.__dict__.get("forward"), fsdp_graph.GraphedCallable)
+    assert not isinstance(block.__dict__.get("forward"), GraphedCallable)
 
 
 def test_make_graphed_callables_refuses_duplicates_bad_hook_dicts_and_kwargs_counts():

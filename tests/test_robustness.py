@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import fsdp_graph
 from dist_harness import run_ranks
+from fsdp_graph.fsdp.registry import units_in
 from models import assert_full_state_matches, build, global_batch, sgd_pair, shard, train_beside_reference
 
 CPU = torch.device("cpu")
@@ -22,7 +23,7 @@ def test_training_continues_after_an_exception_in_forward():
     bad = torch.full((2, 8), 999)  # out-of-range token ids
     with pytest.raises(IndexError):
         model(bad)
-    holders = [(m, a, mp.master) for u in model.fsdp_unit.subtree_units for mp in u.params for m, a in mp.refs]
+    holders = [(m, a, p.master) for u in units_in(model) for p in u.params for m, a in p.refs]
     assert len(holders) > 20 and all(m._parameters[a] is master for m, a, master in holders)
     train_beside_reference(model, ref)  # optimizer built after the failure sees the masters
 

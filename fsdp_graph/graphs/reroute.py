@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 import torch.nn as nn
 
 from .capture import HOOK_KEYS
-from .hooks import BACKWARD_PRE_SENTINEL, BACKWARD_SENTINEL
+from ..fsdp.capture_interface import BACKWARD_PRE_SENTINEL, BACKWARD_SENTINEL
 
 # Every attribute nn.Module keeps hook state in, and the empty value it gets during capture.
 _HOOK_STATE = {

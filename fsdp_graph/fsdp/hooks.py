@@ -17,6 +17,9 @@ hook                           kind            does
                                                end-of-backward step)
 =============================  ==============  ==============================================
 
+Each hook enters the engine through the unit's root (``root.py``), which does the lazy init and
+the iteration boundaries, then runs the unit's checked step (``unit.py``).
+
 Sentinel protocol. The two *wrapper* hooks (the ones that install backward handlers through
 autograd) carry an attribute naming the inner handler they install:
 
@@ -37,22 +40,17 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .registry import root_of, unit_of
 from .training_state import TrainingState
-from .unit import FSDPUnit
 
-UNIT_ATTR = "_fsdp_unit"
 BACKWARD_PRE_SENTINEL = "_cuda_graph_backward_pre_handler"
 BACKWARD_SENTINEL = "_cuda_graph_backward_handler"
-
-
-def unit_of(module: nn.Module) -> FSDPUnit:
-    return module.__dict__[UNIT_ATTR]
 
 
 # -- inner handlers (callable on their own) ------------------------------------------------
 def pre_backward_handler(module: nn.Module) -> None:
     """Unshard for backward, point .grad at the persistent gradient buffer, prefetch the previous unit."""
-    unit_of(module).pre_backward()
+    root_of(module).pre_backward(unit_of(module))
 
 
 def post_backward_handler(module: nn.Module) -> None:
@@ -62,7 +60,7 @@ def post_backward_handler(module: nn.Module) -> None:
 
 # -- plain hooks ---------------------------------------------------------------------------
 def pre_forward_unshard(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    unit_of(module).pre_forward()
+    root_of(module).pre_forward(unit_of(module))
 
 
 def cast_forward_inputs(module: nn.Module, args: tuple, kwargs: dict):
@@ -80,7 +78,7 @@ def post_forward_reshard(module: nn.Module, args: tuple, output) -> None:
     unit = unit_of(module)
     if unit.state is TrainingState.IDLE and sys.exc_info()[1] is not None:
         return  # always_call after pre_forward itself raised: nothing was unsharded
-    unit.post_forward()
+    root_of(module).post_forward(unit)
 
 
 # -- wrapper hooks (carry sentinels) -------------------------------------------------------
@@ -143,10 +141,7 @@ class _OutputGradHook:
         self.module = module
 
     def __call__(self, grad: torch.Tensor) -> None:
-        ctx = unit_of(self.module).root_ctx
-        if not ctx.end_of_backward_queued:
-            ctx.end_of_backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(ctx.end_backward)
+        root_of(self.module).queue_end_of_backward()
         pre_backward_handler(self.module)
 
 

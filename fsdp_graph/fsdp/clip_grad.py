@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .collectives import all_reduce
-from .fully_shard import units_in
+from .registry import units_in
 
 
 def _reduce_norms(grads: list[torch.Tensor], p: float) -> torch.Tensor | None:
@@ -33,7 +33,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if len(groups) > 1:
         raise ValueError("clip_grad_norm_: the model's units use different process groups; clip each part separately")
     group = next(iter(groups.values()), None)
-    master_ids = {id(mp.master) for u in units for mp in u.params}
+    master_ids = {id(p.master) for u in units for p in u.params}
     params = [q for q in model.parameters() if q.grad is not None]
     sharded = [q.grad for q in params if id(q) in master_ids]
     replicated = [q.grad for q in params if id(q) not in master_ids]

@@ -117,9 +117,9 @@ class GraphedCallable:
             or (not self.captured.grad_enabled and torch.is_grad_enabled())  # no backward graph
         ):
             return self.eager(*args, **kwargs)
-        if _autocast_state() != self.captured.autocast:
+        if autocast_state() != self.captured.autocast:
             raise RuntimeError(
-                f"graphed {self.name}: autocast is {_autocast_state()} but was {self.captured.autocast} at capture; "
+                f"graphed {self.name}: autocast is {autocast_state()} but was {self.captured.autocast} at capture; "
                 "the graph replays the kernels (and dtypes) chosen then. Call it under the same autocast "
                 "setting, or capture again."
             )
@@ -216,7 +216,7 @@ class GraphedCallable:
         self._pending = None
 
 
-def _autocast_state() -> tuple:
+def autocast_state() -> tuple:
     enabled = torch.is_autocast_enabled("cuda")
     return enabled, torch.get_autocast_dtype("cuda") if enabled else None
 

@@ -15,7 +15,8 @@ the same address in every iteration. Three placements, decided once per root at 
   ``persist_buffer_on_alloc_fail=False``. Addresses move between iterations, so such units cannot
   be captured in CUDA graphs.
 
-"Reshard" only marks a buffer free; nothing persistent is ever freed.
+"Reshard" only marks a buffer free; nothing persistent is ever freed. The plan is a pure function
+of ``PlacementRequest``s (sizes, dtypes, flags), testable without a process group or a GPU.
 """
 
 from __future__ import annotations
@@ -23,12 +24,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .unit import FSDPUnit
 
 
 class Placement(Enum):
@@ -61,23 +59,27 @@ class FlatBuffers:
     grads: GradBuffer  # compute dtype, [numel]
     reduce_in: torch.Tensor | None  # reduce dtype, [numel]; None when it equals the compute dtype
     reduce_out: torch.Tensor  # reduce dtype, [numel // world_size]
-    param_owner: FSDPUnit | None = field(default=None, repr=False)
+    param_owner: Any = field(default=None, repr=False)  # the parameter group whose data ``params`` holds
 
     @classmethod
     @torch.inference_mode(False)  # persistent buffers must outlive an inference-mode first call
-    def allocate(
-        cls,
-        numel: int,
-        shard_numel: int,
-        compute_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        device: torch.device,
-    ) -> "FlatBuffers":
-        params = torch.empty(numel, dtype=compute_dtype, device=device)
-        grads = torch.zeros(numel, dtype=compute_dtype, device=device)
-        reduce_in = None if reduce_dtype == compute_dtype else torch.empty(numel, dtype=reduce_dtype, device=device)
-        reduce_out = torch.empty(shard_numel, dtype=reduce_dtype, device=device)
+    def allocate(cls, numel: int, shard_numel: int, dtypes: BufferDtypes, device: torch.device) -> FlatBuffers:
+        params = torch.empty(numel, dtype=dtypes.compute, device=device)
+        grads = torch.zeros(numel, dtype=dtypes.compute, device=device)
+        reduce_in = None if dtypes.reduce == dtypes.compute else torch.empty(numel, dtype=dtypes.reduce, device=device)
+        reduce_out = torch.empty(shard_numel, dtype=dtypes.reduce, device=device)
         return cls(params, GradBuffer(grads), reduce_in, reduce_out)
+
+    def nbytes_held(self) -> int:
+        """Bytes of device memory these buffers hold now (0 for a dynamic unit between unshards)."""
+        tensors = (self.params, self.grads.tensor, self.reduce_in, self.reduce_out)
+        return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+
+
+@dataclass(frozen=True)
+class BufferDtypes:
+    compute: torch.dtype
+    reduce: torch.dtype
 
 
 @dataclass
@@ -86,8 +88,7 @@ class SlotPool:
 
     numel: int
     shard_numel: int
-    compute_dtype: torch.dtype
-    reduce_dtype: torch.dtype
+    dtypes: BufferDtypes
     device: torch.device
     slots: list[FlatBuffers] = field(default_factory=list)
     _next: int = 0
@@ -95,40 +96,55 @@ class SlotPool:
     def assign(self) -> FlatBuffers:
         """The slot for the next unit in execution order (allocated on first use)."""
         if not self.slots:
-            self.slots = [
-                FlatBuffers.allocate(self.numel, self.shard_numel, self.compute_dtype, self.reduce_dtype, self.device)
-                for _ in range(2)
-            ]
+            self.slots = [FlatBuffers.allocate(self.numel, self.shard_numel, self.dtypes, self.device) for _ in range(2)]
         slot = self.slots[self._next]
         self._next ^= 1
         return slot
 
 
-def plan_placements(units: list[FSDPUnit]) -> dict[FSDPUnit, tuple[Placement, SlotPool | None]]:
-    """Decide every unit's placement under one root (see the module docstring for the rule)."""
-    units_with_children = {u.parent for u in units if u.parent is not None}
-    candidates: dict[tuple, list[FSDPUnit]] = {}
-    for unit in units:
-        if unit.config.double_buffer and unit not in units_with_children and unit.layout.padded_numel > 0:
-            candidates.setdefault(unit.buffer_key, []).append(unit)
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What the plan needs to know of one unit."""
 
+    numel: int  # padded flat size
+    world_size: int
+    dtypes: BufferDtypes
+    device: torch.device
+    group_id: int  # units may share slots only within one process group
+    double_buffer: bool
+    persist_buffer_on_alloc_fail: bool
+    has_inner_units: bool
+
+    @property
+    def pool_key(self) -> tuple:
+        return (self.dtypes, self.device, self.world_size, self.group_id)
+
+
+def plan_placements(requests: list[PlacementRequest]) -> list[tuple[Placement, SlotPool | None]]:
+    """Every unit's placement under one root, in the order of ``requests`` (see the module docstring)."""
+
+    def slot_candidate(r: PlacementRequest) -> bool:
+        return r.double_buffer and not r.has_inner_units and r.numel > 0
+
+    sizes: dict[tuple, Counter] = {}
+    for r in requests:
+        if slot_candidate(r):
+            sizes.setdefault(r.pool_key, Counter())[r.numel] += 1
     pools: dict[tuple, SlotPool] = {}
-    for key, group in candidates.items():
-        sizes = Counter(u.layout.padded_numel for u in group)
-        slot_numel = max(sizes, key=lambda n: (sizes[n], n))  # most common size; ties: the larger
-        world_size = group[0].world_size
-        compute_dtype, reduce_dtype, device = group[0].compute_dtype, group[0].reduce_dtype, group[0].device
-        pools[key] = SlotPool(slot_numel, slot_numel // world_size, compute_dtype, reduce_dtype, device)
+    for key, counts in sizes.items():
+        slot_numel = max(counts, key=lambda n: (counts[n], n))  # most common size; ties: the larger
+        dtypes, device, world_size, _ = key
+        pools[key] = SlotPool(slot_numel, slot_numel // world_size, dtypes, device)
 
-    plan: dict[FSDPUnit, tuple[Placement, SlotPool | None]] = {}
-    for unit in units:
-        pool = pools.get(unit.buffer_key)
-        if not unit.config.double_buffer:
-            plan[unit] = (Placement.DYNAMIC, None)
-        elif pool is not None and unit not in units_with_children and 0 < unit.layout.padded_numel <= pool.numel:
-            plan[unit] = (Placement.SLOT, pool)
-        elif unit.config.persist_buffer_on_alloc_fail:
-            plan[unit] = (Placement.DEDICATED, None)
+    plan: list[tuple[Placement, SlotPool | None]] = []
+    for r in requests:
+        pool = pools.get(r.pool_key)
+        if not r.double_buffer:
+            plan.append((Placement.DYNAMIC, None))
+        elif pool is not None and slot_candidate(r) and r.numel <= pool.numel:
+            plan.append((Placement.SLOT, pool))
+        elif r.persist_buffer_on_alloc_fail:
+            plan.append((Placement.DEDICATED, None))
         else:
-            plan[unit] = (Placement.DYNAMIC, None)
+            plan.append((Placement.DYNAMIC, None))
     return plan

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
-from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, _autocast_state, describe_signature
+from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .host_sync import no_host_sync
 
 HOOK_KEYS = ("pre_forward", "forward", "pre_backward", "backward")
@@ -66,7 +66,7 @@ def normalize_capture_time_hooks(hooks, count: int) -> list[dict[str, dict]]:
     return normalized
 
 
-def _static_copy(x):
+def static_copy(x):
     if not isinstance(x, torch.Tensor):
         return x
     return x.detach().clone().requires_grad_(x.requires_grad)
@@ -81,7 +81,7 @@ def _input_names(args: tuple, kwargs: dict) -> list[str]:
     return names
 
 
-class _Callable:
+class CaptureTarget:
     """One callable being captured: its sample, its capture-time hooks, and what capture made."""
 
     def __init__(self, fn: Callable, name: str, args: tuple, kwargs: dict, hooks: dict[str, dict]) -> None:
@@ -129,7 +129,7 @@ class _Callable:
 
 
 @dataclass
-class _ForwardPass:
+class ForwardPass:
     spec: Any
     leaves: list
     args: tuple
@@ -146,11 +146,11 @@ def _capturing(graph, pool, stream):
     return torch.cuda.graph(graph, pool=pool, stream=stream)
 
 
-def _forward(call: _Callable, graph=None, pool=None, stream=None) -> _ForwardPass:
-    args, kwargs = tree_map(_static_copy, call.sample)
+def forward_pass(call: CaptureTarget, graph=None, pool=None, stream=None) -> ForwardPass:
+    args, kwargs = tree_map(static_copy, call.sample)
     args, kwargs = call.run_pre_forward(args, kwargs)
     flat, spec = tree_flatten((args, kwargs))
-    leaves = [_static_copy(x) for x in flat]
+    leaves = [static_copy(x) for x in flat]
     args, kwargs = tree_unflatten(leaves, spec)
     # After the pre-forward hooks: FSDP has swapped its persistent unsharded parameters in.
     params, places = call.parameters(), call.parameter_places()
@@ -168,23 +168,23 @@ def _forward(call: _Callable, graph=None, pool=None, stream=None) -> _ForwardPas
         for holder, attr, _, p in places:
             holder[attr] = p
     call.run_forward(args, outputs)
-    return _ForwardPass(spec, leaves, args, kwargs, outputs, [stand_ins[id(p)] for p in params], places, params)
+    return ForwardPass(spec, leaves, args, kwargs, outputs, [stand_ins[id(p)] for p in params], places, params)
 
 
-def _tensors(fwd: _ForwardPass) -> tuple[list, list]:
+def _tensors(fwd: ForwardPass) -> tuple[list, list]:
     """Output tensors; input tensors then parameters (the stand-ins the capture differentiates)."""
     outputs = [o for o in tree_flatten(fwd.outputs)[0] if isinstance(o, torch.Tensor)]
     return outputs, [x for x in fwd.leaves if isinstance(x, torch.Tensor)] + list(fwd.params)
 
 
-def _differentiable(fwd: _ForwardPass) -> tuple[list, list]:
+def _differentiable(fwd: ForwardPass) -> tuple[list, list]:
     """Positions (in ``_tensors``) of the outputs and inputs that take part in backward: an
     output returned twice gets a gradient buffer per position."""
     outputs, inputs = _tensors(fwd)
     return [i for i, o in enumerate(outputs) if o.requires_grad], [i for i, x in enumerate(inputs) if x.requires_grad]
 
 
-def _backward(call: _Callable, fwd: _ForwardPass, graph=None, pool=None, stream=None):
+def backward_pass(call: CaptureTarget, fwd: ForwardPass, graph=None, pool=None, stream=None):
     """Returns (grad_outputs, grads) for the differentiable outputs and inputs, or None."""
     call.run_backward_hooks("pre_backward")
     out_positions, in_positions = _differentiable(fwd)
@@ -201,7 +201,7 @@ def _backward(call: _Callable, fwd: _ForwardPass, graph=None, pool=None, stream=
     return result
 
 
-def _captured_call(call: _Callable, fwd: _ForwardPass, backward, grad_enabled: bool) -> CapturedCall:
+def captured_call(call: CaptureTarget, fwd: ForwardPass, backward, grad_enabled: bool) -> CapturedCall:
     out_leaves, out_spec = tree_flatten(fwd.outputs)
     outputs, inputs = _tensors(fwd)
     static_grad_outputs, static_grad_inputs = [None] * len(outputs), [None] * len(inputs)
@@ -228,14 +228,14 @@ def _captured_call(call: _Callable, fwd: _ForwardPass, backward, grad_enabled: b
         bwd_graph=call.bwd_graph if backward is not None else None,
         static_grad_outputs=static_grad_outputs,
         static_grad_inputs=static_grad_inputs,
-        autocast=_autocast_state(),
+        autocast=autocast_state(),
         training=call.module.training if call.module is not None else None,
         grad_enabled=grad_enabled,
     )
 
 
 @contextmanager
-def _gc_paused():
+def gc_paused():
     """A collection during capture can free tensors into the wrong pool: none runs meanwhile."""
     was_enabled = gc.isenabled()
     gc.disable()
@@ -307,7 +307,7 @@ def _check_arguments(modules: list, sample_args, sample_kwargs, num_warmup_iters
     return sample_args, [dict(k or {}) for k in sample_kwargs]
 
 
-def _check_devices(calls: list[_Callable]) -> None:
+def _check_devices(calls: list[CaptureTarget]) -> None:
     for call in calls:
         leaves = tree_flatten(call.sample)[0]
         names = _input_names(*call.sample)
@@ -361,7 +361,7 @@ def capture_callables(
     ``forward_only``: capture forward graphs only, under ``torch.no_grad()`` (evaluation)."""
     sample_args, sample_kwargs = _check_arguments(modules, sample_args, sample_kwargs, num_warmup_iters)
     hooks = normalize_capture_time_hooks(capture_time_hooks, len(modules))
-    calls = [_Callable(fn, name, a, k, h) for fn, name, a, k, h in zip(modules, names, sample_args, sample_kwargs, hooks)]
+    calls = [CaptureTarget(fn, name, a, k, h) for fn, name, a, k, h in zip(modules, names, sample_args, sample_kwargs, hooks)]
     require_cuda("make_graphed_callables")
     _check_devices(calls)
 
@@ -369,15 +369,15 @@ def capture_callables(
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     where = f"graphed {', '.join(names) if len(names) <= 3 else names[0] + f' (and {len(names) - 1} more)'}"
-    with _gc_paused(), torch.cuda.stream(stream), torch.no_grad() if forward_only else nullcontext():
+    with gc_paused(), torch.cuda.stream(stream), torch.no_grad() if forward_only else nullcontext():
         if pre_warmup_hook is not None:
             pre_warmup_hook()
         for i in range(num_warmup_iters):
             with no_host_sync(where, enabled=i > 0):  # the first pass may initialise lazily
-                passes = [_forward(call) for call in calls]
+                passes = [forward_pass(call) for call in calls]
                 for call, fwd in zip(reversed(calls), reversed(passes)):
                     if not forward_only:
-                        _backward(call, fwd)
+                        backward_pass(call, fwd)
                 del passes
         if post_warmup_hook is not None:
             post_warmup_hook()
@@ -386,14 +386,14 @@ def capture_callables(
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
         for call in calls:
             call.fwd_graph, call.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        passes = [_forward(call, call.fwd_graph, pool, stream) for call in calls]
+        passes = [forward_pass(call, call.fwd_graph, pool, stream) for call in calls]
         backwards = [None] * len(calls)
         for i in reversed(range(len(calls))):
             if not forward_only:
-                backwards[i] = _backward(calls[i], passes[i], calls[i].bwd_graph, pool, stream)
+                backwards[i] = backward_pass(calls[i], passes[i], calls[i].bwd_graph, pool, stream)
     torch.cuda.current_stream().wait_stream(stream)
     group = CaptureGroup()
     return [
-        GraphedCallable(_captured_call(call, fwd, bwd, not forward_only), eager=e, module=call.module, group=group)
+        GraphedCallable(captured_call(call, fwd, bwd, not forward_only), eager=e, module=call.module, group=group)
         for call, fwd, bwd, e in zip(calls, passes, backwards, eager)
     ]

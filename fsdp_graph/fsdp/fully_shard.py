@@ -20,12 +20,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .distributed import resolve_group
-from .graphed_callable import GraphedCallable
-from .hooks import UNIT_ATTR, register_unit_hooks, unit_of
+from .hooks import register_unit_hooks
 from .mixed_precision import MixedPrecision
-from .unit import FSDPUnit, UnitConfig, master_owner, replaced_by
+from .registry import ENCLOSING_ATTR, ROOT_ATTR, UNIT_ATTR, pinned_by, unit_of, units_in
+from .root import RootContext
+from .sharded_param import master_owner, replaced_by
+from .unit import FSDPUnit, UnitConfig
 
-_ENCLOSING_ATTR = "_fsdp_enclosing_unit"  # on every module inside a unit's subtree
 _HOOKS_ATTR = "_fsdp_hook_handles"
 
 
@@ -67,16 +68,6 @@ def _swap_class(module: nn.Module) -> None:
     if cls not in _fsdp_classes:
         _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
     module.__class__ = _fsdp_classes[cls]
-
-
-def units_in(module: nn.Module) -> list[FSDPUnit]:
-    """Every unit in ``module``'s subtree (itself included), outermost first."""
-    seen: dict[int, FSDPUnit] = {}
-    for sub in module.modules():
-        unit = sub.__dict__.get(UNIT_ATTR)
-        if unit is not None:
-            seen.setdefault(id(unit), unit)
-    return list(seen.values())
 
 
 def _param_refs(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]]:
@@ -150,16 +141,17 @@ def _build_unit(
 def _dissolve(unit: FSDPUnit, refs) -> None:
     """Undo a unit (set-up time only): full parameters back in place of its masters, ties re-joined."""
     places_of = {id(param): places for param, places in refs}
-    for mp, value in zip(unit.params, unit.full_params()):
-        restored = nn.Parameter(value, requires_grad=mp.requires_grad)
-        for module, attr in mp.refs:
+    for param, value in zip(unit.params, unit.param_group.full_params()):
+        restored = nn.Parameter(value, requires_grad=param.requires_grad)
+        for module, attr in param.refs:
             module._parameters[attr] = restored
-        original = mp.original()
+        original = param.original()
         for module, attr, _ in places_of.get(id(original), []) if original is not None else []:
             module._parameters[attr] = restored
     for handle in unit.module.__dict__.pop(_HOOKS_ATTR):
         handle.remove()
     del unit.module.__dict__[UNIT_ATTR]
+    unit.active = False
 
 
 def _depth(module: nn.Module, root: nn.Module) -> int:
@@ -170,7 +162,8 @@ def _depth(module: nn.Module, root: nn.Module) -> int:
 
 
 def _link(root_unit: FSDPUnit) -> None:
-    """Parents, names, subtree lists and the enclosing mark, for every unit under ``root_unit``."""
+    """Parents, names and the enclosing mark for every unit under ``root_unit``, and one new
+    root context for them all (its lazy init re-plans their buffers)."""
     all_units: list[FSDPUnit] = []
 
     def walk(module: nn.Module, name: str, enclosing: FSDPUnit | None) -> None:
@@ -178,26 +171,27 @@ def _link(root_unit: FSDPUnit) -> None:
         if unit is not None and unit is not enclosing:
             unit.parent = enclosing
             unit.name = f"{name or '<root>'} ({unit.class_name})"
-            unit.root_unit, unit.root_ctx = root_unit, None
             all_units.append(unit)
             enclosing = unit
-        module.__dict__[_ENCLOSING_ATTR] = enclosing
+        module.__dict__[ENCLOSING_ATTR] = enclosing
         for child_name, child in module.named_children():
             walk(child, f"{name}.{child_name}" if name else child_name, enclosing)
 
     walk(root_unit.module, "", None)
-    root_unit.subtree_units = all_units
+    root = RootContext(root_unit, all_units)
+    for unit in all_units:
+        unit.module.__dict__[ROOT_ATTR] = root
 
 
-def _refuse_if_graphed(module: nn.Module) -> None:
-    """Graphs hold the addresses of the buffers a unit has now; sharding re-plans them."""
+def _refuse_if_pinned(module: nn.Module) -> None:
+    """Whoever pinned a module (a CUDA graph) holds the addresses of its buffers now; sharding re-plans them."""
     for name, sub in module.named_modules():
-        unit = sub.__dict__.get(UNIT_ATTR)
-        if isinstance(sub.__dict__.get("forward"), GraphedCallable) or (unit is not None and unit.graphed):
+        by = pinned_by(sub)
+        if by is not None:
             raise ValueError(
-                f"fully_shard({type(module).__name__}): '{name or '<root>'}' ({type(sub).__name__}) is already graphed, "
-                "and its graphs would keep reading the parameters' old addresses. Call fully_shard on every "
-                "unit and the root first, then graph_modules."
+                f"fully_shard({type(module).__name__}): '{name or '<root>'}' ({type(sub).__name__}) is already "
+                f"graphed ({by}), and its graphs would keep reading the parameters' old addresses. Call "
+                "fully_shard on every unit and the root first, then graph_modules."
             )
 
 
@@ -223,7 +217,7 @@ def fully_shard(
     mp_policy = MixedPrecision() if mp_policy is None else mp_policy
     if not isinstance(mp_policy, MixedPrecision):
         raise TypeError(f"mp_policy must be fsdp_graph.MixedPrecision, got {type(mp_policy).__name__}")
-    enclosing = module.__dict__.get(_ENCLOSING_ATTR)
+    enclosing = module.__dict__.get(ENCLOSING_ATTR)
     if enclosing is not None:
         if enclosing.module is module:
             raise ValueError(f"fully_shard: {enclosing.name} is already sharded; call fully_shard once per module")
@@ -232,7 +226,7 @@ def fully_shard(
             f"{enclosing.name}. Call fully_shard bottom-up, as in FSDP2: every inner unit (e.g. each "
             "transformer block) first, then the root."
         )
-    _refuse_if_graphed(module)
+    _refuse_if_pinned(module)
     group = resolve_group(process_group)
     device = _choose_device(module, group)
     _move_buffers(module, device)

@@ -19,22 +19,11 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
 
 import torch
-import torch.nn as nn
 
-from .capture import _gc_paused
-from .fully_shard import units_in
-from .root import RootContext
+from ..fsdp.capture_interface import RootContext
+from .capture import gc_paused
 
 T = TypeVar("T")
-
-
-def root_contexts(model: nn.Module) -> list[RootContext]:
-    """The FSDP root contexts under ``model`` (created now if no forward has run yet)."""
-    contexts = {}
-    for unit in units_in(model):
-        ctx = unit.ensure_root_ctx()
-        contexts[id(ctx)] = ctx
-    return list(contexts.values())
 
 
 @contextmanager
@@ -55,7 +44,7 @@ def capture_whole(what: str, run: Callable[[], T], contexts: list[RootContext], 
         ctx.forget_events()  # (synchronises the device)
     graph = torch.cuda.CUDAGraph()
     try:
-        with _gc_paused(), torch.cuda.graph(graph, stream=stream):
+        with gc_paused(), torch.cuda.graph(graph, stream=stream):
             result = run()
     except RuntimeError as err:
         if "synchroniz" in str(err) or "capture" in str(err).lower():

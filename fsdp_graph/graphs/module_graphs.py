@@ -26,13 +26,23 @@ from typing import Callable, Iterator, Sequence
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from .capture import _static_copy, capture_callables, require_cuda
-from .fully_shard import _ENCLOSING_ATTR, units_in
+from ..fsdp.capture_interface import (
+    FSDPUnit,
+    TrainingState,
+    enclosing_unit,
+    master_owner,
+    pin_addresses,
+    post_backward_handler,
+    post_forward_reshard,
+    pre_backward_handler,
+    pre_forward_unshard,
+    require_fixed_addresses,
+    root_contexts,
+    units_in,
+)
+from .capture import capture_callables, require_cuda, static_copy
 from .graphed_callable import GraphedCallable
-from .hooks import UNIT_ATTR, post_backward_handler, post_forward_reshard, pre_backward_handler, pre_forward_unshard
 from .reroute import ModuleHooks, hooks_taken_off, seal_submodule_hooks
-from .training_state import TrainingState
-from .unit import FSDPUnit, master_owner
 
 Selection = type | tuple | Callable[[str, nn.Module], bool]
 
@@ -50,7 +60,7 @@ def select_modules(model: nn.Module, selection: Selection) -> list[nn.Module]:
 
 
 def _describe(module: nn.Module, index: int) -> str:
-    unit = module.__dict__.get(_ENCLOSING_ATTR)
+    unit = enclosing_unit(module)
     if unit is not None and unit.module is module:
         return f"module {index} (FSDP unit {unit.name})"
     if unit is not None:
@@ -70,7 +80,7 @@ def _unit_to_unshard(module: nn.Module, name: str) -> FSDPUnit | None:
     owners = {id(u): u for u in (master_owner(p) for p in module.parameters()) if u is not None}
     if not owners:
         return None
-    enclosing = module.__dict__.get(_ENCLOSING_ATTR)
+    enclosing = enclosing_unit(module)
     foreign = [u for u in owners.values() if u is not enclosing]
     if foreign:
         raise ValueError(
@@ -78,16 +88,7 @@ def _unit_to_unshard(module: nn.Module, name: str) -> FSDPUnit | None:
             "parameter tied across units), which is not unsharded around this module's capture. Graph a "
             "module that does not use it, or untie the parameter."
         )
-    config = enclosing.config
-    if not (config.double_buffer and config.persist_buffer_on_alloc_fail):
-        raise ValueError(
-            f"graph_modules: {name} reads parameters of FSDP unit {enclosing.name}, sharded with "
-            f"double_buffer={config.double_buffer} and persist_buffer_on_alloc_fail="
-            f"{config.persist_buffer_on_alloc_fail}. A CUDA graph replays fixed addresses, but without both "
-            "flags the unit's unsharded parameters are re-allocated per unshard and move between "
-            "iterations. Pass double_buffer=True and persist_buffer_on_alloc_fail=True to fully_shard "
-            "(the defaults)."
-        )
+    require_fixed_addresses(enclosing, f"graph_modules: {name}")
     if enclosing.state is not TrainingState.IDLE:
         raise ValueError(
             f"graph_modules: FSDP unit {enclosing.name} is in {enclosing.state.value}; graph modules between "
@@ -141,7 +142,7 @@ def _with_unit_steps(hooks: dict[str, dict], unit: FSDPUnit) -> dict[str, dict]:
 def _capture_time_hooks(taken: ModuleHooks, unit: FSDPUnit | None, kwargs: dict) -> dict[str, dict]:
     hooks = taken.capture_time_hooks()
     taken.set_call_kwargs(kwargs)
-    if unit is not None and taken.module.__dict__.get(UNIT_ATTR) is not unit:
+    if unit is not None and unit.module is not taken.module:
         hooks = _with_unit_steps(hooks, unit)
     return hooks
 
@@ -180,7 +181,7 @@ def record_sample_args(modules: list[nn.Module], run: Callable[[], object]) -> l
     def recorder(i: int):
         def hook(module, args, kwargs):
             if samples[i] is None:
-                samples[i] = tree_map(_static_copy, (tuple(args), dict(kwargs)))  # no autograd graph kept
+                samples[i] = tree_map(static_copy, (tuple(args), dict(kwargs)))  # no autograd graph kept
         return hook
 
     handles = [m.register_forward_pre_hook(recorder(i), with_kwargs=True, prepend=True) for i, m in enumerate(modules)]
@@ -227,7 +228,7 @@ def graph_modules(
     require_cuda("graph_modules")
     kwargs_list = [None] * len(modules) if sample_kwargs is None else list(sample_kwargs)
     eager = [m.forward for m in modules]  # the other kind's graph, if one is installed, else forward
-    roots = {id(ctx): ctx for ctx in (u.ensure_root_ctx() for u in units if u is not None)}
+    roots = {id(ctx): ctx for u in units if u is not None for ctx in root_contexts(u.module)}
     with ExitStack() as stack:
         for ctx in roots.values():
             stack.enter_context(ctx.outside_training_step())
@@ -241,9 +242,8 @@ def graph_modules(
                 modules, names, sample_args, sample_kwargs, num_warmup_iters, capture_time_hooks,
                 None, None, pool, eager, forward_only,
             )
-    for module, name, unit, runner in zip(modules, names, units, graphed):
-        if unit is not None:
-            unit.graphed = True
+    for module, name, runner in zip(modules, names, graphed):
+        pin_addresses(module, "graph_modules")
         module.forward = runner
         seal_submodule_hooks(module, name)
     return graphed

@@ -1,13 +1,14 @@
 """A training step as one object: forward + loss + backward (+ clip) (+ optimizer step).
 
-    step = fsdp_graph.graph_train_step(loss_fn, example_batch, model=model, optimizer=opt)
+    config = fsdp_graph.GraphConfig(strategy="full_iteration")
+    step = fsdp_graph.make_train_step(loss_fn, model, opt, config=config, example_batch=batch)
     for batch in loader:
         loss = step(*batch)          # copies the batch in, replays, returns the loss
 
 ``TrainStep`` is the step body, run eagerly; ``GraphedTrainStep`` runs the *same* body, so
 its result is bitwise the eager one:
 
-1. The first ``warmup_steps`` calls are real eager steps on the capture stream (optimizer state,
+1. The first ``num_warmup_iters`` calls are real eager steps on the capture stream (optimizer state,
    the recorded prefetch order, NCCL communicators and cuBLAS handles come into being; the
    second and later ones also prove the body free of host syncs, see ``host_sync.py``).
 2. The next call captures the body once (``whole_graph.py``: FSDP's all-gathers and
@@ -36,11 +37,11 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .clip_grad import clip_grad_norm_
-from .fully_shard import units_in
-from .host_sync import no_host_sync
-from .static_inputs import StaticInputs
-from .whole_graph import capture_whole, on_stream, root_contexts
+from ..fsdp.capture_interface import root_contexts, units_in
+from ..fsdp.clip_grad import clip_grad_norm_
+from ..graphs.host_sync import no_host_sync
+from ..graphs.static_inputs import StaticInputs
+from ..graphs.whole_graph import capture_whole, on_stream
 
 
 class TrainStep:
@@ -114,7 +115,7 @@ class TrainStep:
 
     def clear_grads(self) -> None:
         for unit in self.units:
-            unit.clear_grads()
+            unit.grads.clear()
 
     def _loss(self, args: tuple) -> torch.Tensor:
         loss = self.loss_fn(*args)
@@ -129,17 +130,15 @@ class TrainStep:
 
 
 class GraphedTrainStep:
-    """A ``TrainStep`` captured as one CUDA graph after ``warmup_steps`` eager calls."""
+    """A ``TrainStep`` captured as one CUDA graph after ``num_warmup_iters`` eager calls (built by
+    ``make_train_step``, which validates the model and the optimizer first)."""
 
-    def __init__(self, body: TrainStep, example_batch: tuple, *, warmup_steps: int = 3) -> None:
-        from .graph_config import check_full_iteration
-
-        check_full_iteration(body.model, body.optimizer, warmup_steps)
+    def __init__(self, body: TrainStep, example_batch: tuple, *, num_warmup_iters: int = 3) -> None:
         self.body = body
         body.micro_batches(tuple(example_batch))  # the stacked-micro-batch layout, checked up front
         self.device = body.units[0].device
-        self.inputs = StaticInputs("graph_train_step", tuple(example_batch), self.device)
-        self.warmup_steps = warmup_steps
+        self.inputs = StaticInputs("make_train_step", tuple(example_batch), self.device)
+        self.num_warmup_iters = num_warmup_iters
         self.contexts = root_contexts(body.model)
         self.stream = torch.cuda.Stream(self.device)
         self.graph = None
@@ -152,7 +151,7 @@ class GraphedTrainStep:
         self._check_learning_rates()
         self.inputs.copy_in(batch)
         if self.graph is None:
-            if self.eager_steps < self.warmup_steps:
+            if self.eager_steps < self.num_warmup_iters:
                 return self._eager_step()
             self._capture()
         self.graph.replay()
@@ -173,27 +172,27 @@ class GraphedTrainStep:
         # does, so the graph overwrites the sharded gradients instead of adding to them.
         self.body.clear_grads()
         self.graph, self.static_loss = capture_whole(
-            "graph_train_step", lambda: self.body.run(tuple(self.inputs.tensors)), self.contexts, self.stream
+            "make_train_step", lambda: self.body.run(tuple(self.inputs.tensors)), self.contexts, self.stream
         )
 
     def _expose_grads(self) -> None:
         """The graph wrote this step's gradients into the units' sharded gradient buffers: point
         ``.grad`` back at them if ``zero_grad()`` set it to None."""
         for unit in self.body.units:
-            unit.expose_sharded_grads()
+            unit.grads.expose_sharded()
 
     def _check_learning_rates(self) -> None:
         optimizer = self.body.optimizer
         if optimizer is not None and [id(g) for g in optimizer.param_groups] != [id(g) for g, _ in self._learning_rates]:
             raise RuntimeError(
-                "graph_train_step: the optimizer's param groups were replaced (optimizer.load_state_dict or "
+                "make_train_step: the optimizer's param groups were replaced (optimizer.load_state_dict or "
                 "add_param_group); the graph holds the old groups and state. Load state before building "
                 "the step, or build a new step."
             )
         for i, (group, lr) in enumerate(self._learning_rates):
             if group["lr"] is not lr:
                 raise RuntimeError(
-                    f"graph_train_step: param group {i}'s learning rate was replaced (now {group['lr']!r}); "
+                    f"make_train_step: param group {i}'s learning rate was replaced (now {group['lr']!r}); "
                     "the graph reads the device tensor it was captured with. Change it in place: "
                     "group['lr'].fill_(value) (torch.optim.lr_scheduler schedulers do this)."
                 )
@@ -212,24 +211,3 @@ def _learning_rates_on_device(optimizer, device: torch.device) -> list[tuple[dic
         rates.append((group, lr))
     return rates
 
-
-def graph_train_step(
-    loss_fn: Callable[..., torch.Tensor],
-    example_batch: tuple,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    grad_accum_steps: int = 1,
-    max_grad_norm: float | None = None,
-    warmup_steps: int = 3,
-) -> GraphedTrainStep:
-    """The whole training step of an FSDP ``model`` as one CUDA graph (strategy ``full_iteration``).
-
-    ``loss_fn(*batch)`` runs the forward and returns the scalar loss; the step does the backward,
-    the reduce-scatters, optional clipping (``max_grad_norm``), and the optional optimizer step.
-    ``example_batch`` fixes the arguments' shapes and dtypes (with ``grad_accum_steps=K``, stacked:
-    ``[K, *micro_batch_shape]``). See the module docstring for the warm-up and what may change
-    between steps.
-    """
-    body = TrainStep(loss_fn, model, optimizer, grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm)
-    return GraphedTrainStep(body, tuple(example_batch), warmup_steps=warmup_steps)

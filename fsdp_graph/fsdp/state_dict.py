@@ -13,20 +13,21 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from .fully_shard import units_in
+from .registry import units_in
 
 
 def _masters(model: nn.Module) -> dict[int, tuple]:
     """id(master parameter) -> (unit, index in the unit)."""
-    return {id(mp.master): (unit, i) for unit in units_in(model) for i, mp in enumerate(unit.params)}
+    return {id(p.master): (unit, i) for unit in units_in(model) for i, p in enumerate(unit.params)}
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """{original name: full tensor} on every rank."""
     full: dict[int, torch.Tensor] = {}
     for unit in units_in(model):
-        for mp, value in zip(unit.params, unit.full_params()):
-            full[id(mp.master)] = value
+        unit.require_idle("gathering full parameters")
+        for param, value in zip(unit.params, unit.param_group.full_params()):
+            full[id(param.master)] = value
     return {
         key: full[id(value)] if id(value) in full else value.detach().clone()
         for key, value in model.state_dict(keep_vars=True).items()
@@ -51,7 +52,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         value = state_dict[key]
         if id(target) in masters:
             unit, index = masters[id(target)]
-            unit.load_full_param(index, value.to(target.device), key)
+            unit.require_idle("loading a state dict")
+            unit.param_group.load_full_param(index, value.to(target.device), key)
             continue
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(

@@ -1,0 +1,68 @@
+"""What the graph layer (``fsdp_graph.graphs``) and the steps may use of the engine, and nothing more.
+
+The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and this small surface:
+
+* the unit's four steps, as the hook functions a module's hooks call
+  (``pre_forward_unshard``, ``post_forward_reshard``, ``pre_backward_handler``,
+  ``post_backward_handler``), and the sentinel attribute names;
+* which unit a module is, encloses it, or owns a parameter (``units_in``, ``enclosing_unit``,
+  ``leaf_units``, ``master_owner``), and whether it is idle (``TrainingState``);
+* the roots (``root_contexts``): ``outside_training_step()`` around unit steps that are no
+  training step, ``forget_events()`` around a capture that records the steps themselves;
+* the persistence check (``require_fixed_addresses``): a graph may read a unit only if its
+  unsharded parameters and gradients never move;
+* address pins (``pin_addresses``): a graph captured on a module pins it, so that re-sharding
+  it later is refused instead of leaving the graph reading stale addresses;
+* per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
+  ``grads.expose_sharded()``.
+
+Nothing here imports the graph layer: the engine does not know it exists.
+"""
+
+from __future__ import annotations
+
+from .hooks import (
+    BACKWARD_PRE_SENTINEL,
+    BACKWARD_SENTINEL,
+    post_backward_handler,
+    post_forward_reshard,
+    pre_backward_handler,
+    pre_forward_unshard,
+)
+from .registry import enclosing_unit, is_unit, leaf_units, pin_addresses, root_contexts, units_in
+from .root import RootContext
+from .sharded_param import master_owner
+from .training_state import TrainingState
+from .unit import FSDPUnit
+
+__all__ = [
+    "BACKWARD_PRE_SENTINEL",
+    "BACKWARD_SENTINEL",
+    "FSDPUnit",
+    "RootContext",
+    "TrainingState",
+    "enclosing_unit",
+    "is_unit",
+    "leaf_units",
+    "master_owner",
+    "pin_addresses",
+    "post_backward_handler",
+    "post_forward_reshard",
+    "pre_backward_handler",
+    "pre_forward_unshard",
+    "require_fixed_addresses",
+    "root_contexts",
+    "units_in",
+]
+
+
+def require_fixed_addresses(unit: FSDPUnit, what: str) -> None:
+    """Refuse a graph over ``unit`` unless its unsharded parameters and gradients never move."""
+    config = unit.config
+    if not config.fixed_addresses:
+        raise ValueError(
+            f"{what} reads FSDP unit {unit.name}, sharded with double_buffer={config.double_buffer} and "
+            f"persist_buffer_on_alloc_fail={config.persist_buffer_on_alloc_fail}: its unsharded parameters are "
+            "re-allocated per unshard and move between iterations, but a CUDA graph replays fixed addresses. "
+            "Pass double_buffer=True and persist_buffer_on_alloc_fail=True to fully_shard (the defaults)."
+        )

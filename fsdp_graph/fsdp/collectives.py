@@ -1,0 +1,92 @@
+"""The three collectives FSDP needs, and the side streams they run on.
+
+All of them read and write caller-owned tensors: no collective here allocates, which is what
+lets the unshard/reduce paths keep fixed addresses (and run inside CUDA graphs). World size 1
+without a process group takes a local path. On GPU, all-gathers run on one side stream and
+reduce-scatters on another (``CommStreams``), joined to the compute stream through events.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives; older versions have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_inplace(flat: torch.Tensor, shard_numel: int, group: dist.ProcessGroup | None) -> None:
+    """Gather every rank's shard into ``flat``; this rank's shard is already in place in ``flat``."""
+    if group is None or flat.numel() == 0:
+        return
+    rank = dist.get_rank(group)
+    local = flat.narrow(0, rank * shard_numel, shard_numel)
+    _all_gather_single(flat, local, group=group)
+
+
+def reduce_scatter_sum(out_shard: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``out_shard`` = this rank's shard of the sum of ``flat`` over the group."""
+    if group is None:
+        out_shard.copy_(flat)
+        return
+    if flat.numel() == 0:
+        return
+    _reduce_scatter_single(out_shard, flat, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> None:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+class CommStreams:
+    """Side streams for all-gathers and reduce-scatters (None on CPU, where all is synchronous)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.all_gather = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+        self.reduce = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+        self.device = device
+        self._pending: set = set()  # side streams given work since the current stream last joined them
+
+    def enter(self, stream):
+        """Run on ``stream`` after everything already queued on the current stream."""
+        if stream is None:
+            return nullcontext()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._pending.add(stream)
+        return torch.cuda.stream(stream)
+
+    @staticmethod
+    def record(stream):
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def wait(event) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def synchronize(self) -> None:
+        """Wait on the host for all work on the device: every stream is joined afterwards."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self._pending.clear()
+
+    def wait_for_all(self) -> None:
+        """Compute stream waits for every collective: nothing in flight may race the optimizer
+        (a prefetch that was never consumed still reads the master shard)."""
+        # Only streams that were given work: inside a whole-step capture, waiting on a stream
+        # that is not part of the capture would wait on an event recorded outside it.
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            for stream in (self.all_gather, self.reduce):
+                if stream in self._pending:
+                    current.wait_stream(stream)
+            self._pending.clear()

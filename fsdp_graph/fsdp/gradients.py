@@ -1,0 +1,157 @@
+"""A unit's gradients: persistent unsharded targets, ``no_sync`` accumulation, the reduce-scatter.
+
+Before the unit's backward, ``prepare`` points every trainable unsharded parameter's ``.grad`` at
+a view of a persistent buffer (zeroed), so AccumulateGrad adds into it in place and never adopts
+a tensor of its own: gradient addresses are fixed. The buffer is the unit's gradient buffer (next
+to its parameter buffer), or, while gradients accumulate without synchronisation (``no_sync``), a
+per-unit accumulation buffer that keeps its sum until the next synchronised backward.
+
+After the backward, ``reduce`` reduce-scatters the target in ``reduce_dtype`` (through a staging
+copy when that differs from the compute dtype) and averages the result into the masters'
+``.grad``, which are views of ``sharded_flat`` (accumulated if already set, as autograd does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .buffers import FlatBuffers, GradBuffer
+from .collectives import CommStreams, reduce_scatter_sum
+from .flat_layout import FlatLayout
+from .sharded_param import ShardedParam
+
+
+class UnitGradients:
+    def __init__(self, params: list[ShardedParam], layout: FlatLayout, compute_dtype: torch.dtype,
+                 master_flat: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> None:
+        self.params = params
+        self.layout = layout
+        self.compute_dtype = compute_dtype
+        self.group = group
+        self.world_size = world_size
+        self.sharded_flat = torch.zeros_like(master_flat)
+        self._sharded_views = layout.piece_views(self.sharded_flat)
+        self.trainable: list[int] = []
+        self.refresh_trainable()
+        self.accumulation_pending = False  # a no_sync sum waits in the accumulation buffer
+        self._accum: GradBuffer | None = None
+        self._accum_views: list[torch.Tensor] = []
+        self._views_of: FlatBuffers | None = None  # the buffers ``_views`` are views of
+        self._views: list[torch.Tensor] = []
+        self._target: GradBuffer | None = None
+
+    def refresh_trainable(self) -> None:
+        self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+
+    # -- around the backward ----------------------------------------------------------------
+    def prepare(self, buffers: FlatBuffers, sync: bool) -> None:
+        """Point ``.grad`` of the trainable unsharded parameters at the persistent target."""
+        if not self.trainable:
+            return
+        accumulate = not sync or self.accumulation_pending
+        if accumulate:
+            target, views = self._accumulation_buffer(), self._accum_views
+        else:
+            target, views = buffers.grads, self._views_into(buffers)
+        if not (accumulate and self.accumulation_pending):
+            target.wait_until_reduced()
+            target.tensor[: self.layout.padded_numel].zero_()
+        for i in self.trainable:
+            self.params[i].unsharded.grad = views[i]
+        self._target = target
+
+    def finish(self, buffers: FlatBuffers, streams: CommStreams, sync: bool) -> None:
+        """After the backward: reduce (``sync``) or keep the sum for the next synchronised backward."""
+        target, self._target = self._target, None
+        if target is None:
+            return
+        if sync:
+            self._reduce(target, buffers, streams)
+            self.accumulation_pending = False
+        else:
+            self.accumulation_pending = True
+
+    def abandon(self) -> None:
+        """A backward that will not finish (reset after an exception)."""
+        self._target = None
+
+    def _views_into(self, buffers: FlatBuffers) -> list[torch.Tensor]:
+        if buffers is not self._views_of:
+            self._views = self.layout.param_views(buffers.grads.tensor[: self.layout.padded_numel])
+            self._views_of = buffers
+        return self._views
+
+    def _accumulation_buffer(self) -> GradBuffer:
+        if self._accum is None:
+            with torch.inference_mode(False):
+                tensor = torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.sharded_flat.device)
+            self._accum = GradBuffer(tensor)
+            self._accum_views = self.layout.param_views(tensor)
+        return self._accum
+
+    def _reduce(self, target: GradBuffer, buffers: FlatBuffers, streams: CommStreams) -> None:
+        n = self.layout.padded_numel
+        with streams.enter(streams.reduce):
+            grads = target.tensor[:n]
+            if buffers.reduce_in is not None:
+                grads = buffers.reduce_in[:n].copy_(grads)
+            reduced = buffers.reduce_out[: self.layout.shard_numel]
+            reduce_scatter_sum(reduced, grads, self.group)
+            self._accumulate_sharded(reduced)
+            target.reduce_done = streams.record(streams.reduce)
+
+    def _accumulate_sharded(self, reduced: torch.Tensor) -> None:
+        """master.grad (+)= reduced / world_size, as autograd would accumulate into ``.grad``."""
+        scale = 1.0 / self.world_size
+        masters = [self.params[i].master for i in self.trainable]
+        views = [self._sharded_views[i] for i in self.trainable]
+        current = [m.grad for m in masters]
+        if all(g is None for g in current):
+            self.sharded_flat.zero_()
+            self.sharded_flat.add_(reduced, alpha=scale)
+            for master, view in zip(masters, views):
+                master.grad = view
+        elif all(g is v for g, v in zip(current, views)):
+            self.sharded_flat.add_(reduced, alpha=scale)
+        else:
+            for master, grad, view, i in zip(masters, current, views, self.trainable):
+                span = self.layout.spans[i]
+                piece = reduced.narrow(0, span.shard_start, span.piece_numel)
+                if grad is None:
+                    master.grad = view.zero_()
+                    grad = view
+                grad.add_(piece, alpha=scale)
+
+    # -- between steps ----------------------------------------------------------------------
+    def clear(self) -> None:
+        """No gradient at all: masters' ``.grad`` None, no pending ``no_sync`` accumulation."""
+        for param in self.params:
+            param.master.grad = None
+        self.accumulation_pending = False
+
+    def expose_sharded(self) -> None:
+        """Point every trainable master's ``.grad`` at its piece of the sharded gradient buffer,
+        where a whole-step graph without optimizer writes each step's gradient."""
+        for i in self.trainable:
+            master, view = self.params[i].master, self._sharded_views[i]
+            if master.grad is not view:
+                master.grad = view
+
+    def forget_events(self, buffers: FlatBuffers | None) -> None:
+        for buffer in (buffers.grads if buffers is not None else None, self._accum):
+            if buffer is not None:
+                buffer.reduce_done = None
+
+    def snapshot(self) -> tuple:
+        """What unit steps run at graph capture may change: the masters' ``.grad``, the sharded
+        values, the ``no_sync`` flag (see ``RootContext.outside_training_step``)."""
+        return [p.master.grad for p in self.params], self.sharded_flat.clone(), self.accumulation_pending
+
+    def restore(self, snapshot: tuple) -> None:
+        grads, values, pending = snapshot
+        with torch.no_grad():
+            self.sharded_flat.copy_(values)
+        for param, grad in zip(self.params, grads):
+            param.master.grad = grad
+        self.accumulation_pending = pending

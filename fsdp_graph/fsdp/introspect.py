@@ -1,0 +1,100 @@
+"""A small, stable view into the engine for tests, benchmarks and debugging.
+
+Read-only facts (``unit_buffers``, ``unsharded_param_addresses``, ``unsharded_grad_addresses``)
+and a way to run code around every unit step (``watch_steps``), so that callers need not reach
+into private state that changes with the implementation. ``watch_steps`` wraps the step methods
+only while its block runs: the default hot path carries no check for it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from .buffers import Placement
+from .root import RootContext
+from .unit import FSDPUnit
+
+
+@dataclass(frozen=True)
+class UnitBuffers:
+    """Where a unit's unsharded parameters and gradients live now."""
+
+    placement: Placement | None  # None before the root's lazy init
+    params: tuple[int, int]  # [start, end) addresses of its parameter buffer (a slot is shared)
+    grads: tuple[int, int]  # [start, end) of its gradient buffer
+    nbytes_held: int  # device memory its buffers hold now (0: dynamic, between unshards)
+
+
+def _range(tensor) -> tuple[int, int]:
+    return tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+
+
+def unit_buffers(unit: FSDPUnit) -> UnitBuffers:
+    buffers = unit.param_group.buffers
+    if buffers is None:  # a slot unit before its first unshard
+        return UnitBuffers(unit.placement, (0, 0), (0, 0), 0)
+    return UnitBuffers(unit.placement, _range(buffers.params), _range(buffers.grads.tensor), buffers.nbytes_held())
+
+
+def unsharded_param_addresses(unit: FSDPUnit) -> list[int | None]:
+    """Per parameter, the address of its persistent unsharded form (None before it exists)."""
+    return [p.unsharded.data_ptr() if p.unsharded is not None else None for p in unit.params]
+
+
+def unsharded_grad_addresses(unit: FSDPUnit) -> list[int | None]:
+    """Per parameter, the address of its unsharded ``.grad`` (None when it has none)."""
+    return [p.unsharded.grad.data_ptr() if p.unsharded is not None and p.unsharded.grad is not None else None
+            for p in unit.params]
+
+
+Watcher = Callable[[str, object], None]
+
+
+@contextmanager
+def watch_methods(targets: list[tuple[type, str, str, Callable]], before: Watcher | None = None,
+                  after: Watcher | None = None) -> Iterator[None]:
+    """Call ``before(label, subject)`` / ``after(label, subject)`` around each target method while
+    the block runs. ``targets``: (class, method name, label, subject(args) -> object)."""
+    originals = []
+    for owner, attr, label, subject in targets:
+        original = owner.__dict__[attr]
+        is_static = isinstance(original, staticmethod)
+        function = original.__func__ if is_static else original
+
+        def watched(*args, _function=function, _label=label, _subject=subject, **kwargs):
+            if before is not None:
+                before(_label, _subject(args))
+            try:
+                return _function(*args, **kwargs)
+            finally:
+                if after is not None:
+                    after(_label, _subject(args))
+
+        setattr(owner, attr, staticmethod(watched) if is_static else watched)
+        originals.append((owner, attr, original))
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(originals):
+            setattr(owner, attr, original)
+
+
+# Every way into a unit step: the hooks enter through the root; post-backward runs from autograd
+# (or the root's end of backward) on the unit itself.
+STEPS = (
+    (RootContext, "pre_forward", "pre_forward", lambda args: args[1]),
+    (RootContext, "post_forward", "post_forward", lambda args: args[1]),
+    (RootContext, "pre_backward", "pre_backward", lambda args: args[1]),
+    (FSDPUnit, "post_backward", "post_backward", lambda args: args[0]),
+    (RootContext, "end_backward", "end_backward", lambda args: args[0].root),
+)
+
+
+def watch_steps(before: Watcher | None = None, after: Watcher | None = None):
+    """Around every unit step: ``before(step, unit)`` / ``after(step, unit)``, with ``step`` one of
+    ``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``, ``end_backward`` (the
+    root's end-of-backward callback, which may run ``post_backward`` of units inside it)."""
+    return watch_methods(list(STEPS), before, after)
+

@@ -1,0 +1,218 @@
+"""A unit's parameters as one flat group: the master shard, the persistent buffer, unshard and reshard.
+
+FSDP2's ``FSDPParamGroup``, for a flat layout (``flat_layout.py``). Where the unsharded data is,
+is one explicit state:
+
+    SHARDED --unshard--> GATHERED --use--> UNSHARDED --reshard--> GATHERED (persistent placement)
+    SHARDED --prefetch--> PREFETCHED --use--> UNSHARDED           SHARDED  (dynamic: memory freed)
+    PREFETCHED --clear_prefetch--> GATHERED
+    GATHERED / PREFETCHED --evict (another unit took the slot)--> SHARDED
+    any --drop (the masters are about to change, or a reset)--> SHARDED
+
+GATHERED and PREFETCHED mean the buffer holds this unit's current parameters (the all-gather
+may still be in flight: ``use`` makes the compute stream wait for it); UNSHARDED means the
+modules compute with them. A slot is shared by two units: a unit takes it with ``_acquire``,
+which evicts the other one (refused while the other one is UNSHARDED).
+
+Unshard casts the master shard into this rank's region of the buffer and all-gathers in place,
+on the all-gather stream; no allocation, no copy-out.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .buffers import BufferDtypes, FlatBuffers, Placement, SlotPool
+from .collectives import CommStreams, all_gather_inplace
+from .flat_layout import FlatLayout
+from .sharded_param import ShardedParam, alias
+
+
+class ShardState(Enum):
+    SHARDED = "sharded"
+    PREFETCHED = "prefetched"
+    GATHERED = "gathered"
+    UNSHARDED = "unsharded"
+
+
+HOLDS_DATA = (ShardState.PREFETCHED, ShardState.GATHERED)
+
+
+class ParamGroup:
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+                 dtypes: BufferDtypes, master_dtype: torch.dtype, group: dist.ProcessGroup | None,
+                 world_size: int, rank: int, device: torch.device) -> None:
+        self.name = name  # the unit's, for messages (renamed once the tree is known)
+        self.dtypes = dtypes
+        self.group = group
+        self.device = device
+        self.layout = FlatLayout([p.shape for _, p, _ in params], world_size, rank)
+        self.master_flat = torch.zeros(self.layout.shard_numel, dtype=master_dtype, device=device)
+        pieces = self.layout.piece_views(self.master_flat)
+        self.params = [ShardedParam(name, refs, p, piece, span)
+                       for (name, p, refs), piece, span in zip(params, pieces, self.layout.spans)]
+        self.use_masters()
+        self.state = ShardState.SHARDED
+        self.placement: Placement | None = None
+        self.buffers: FlatBuffers | None = None  # a slot is taken at the first unshard
+        self._pool: SlotPool | None = None
+        self._streams: CommStreams | None = None
+        self._param_flat: torch.Tensor | None = None
+        self._unshard_event = None
+
+    # -- placement ------------------------------------------------------------------------
+    def bind(self, placement: Placement, pool: SlotPool | None, streams: CommStreams) -> None:
+        """Take the placement the root planned (at its lazy init; again after a re-plan)."""
+        self.placement, self._pool, self._streams = placement, pool, streams
+        self.buffers, self.state, self._unshard_event = None, ShardState.SHARDED, None
+        if placement is not Placement.SLOT:
+            n = self.layout.padded_numel
+            self._bind_buffers(FlatBuffers.allocate(n, self.layout.shard_numel, self.dtypes, self.device))
+        if placement is Placement.DYNAMIC:
+            self._free_dynamic()
+
+    def take_slot(self) -> None:
+        """Take this unit's slot now (normally taken at its first unshard, in execution order)."""
+        if self.placement is Placement.SLOT and self.buffers is None:
+            self._bind_buffers(self._pool.assign())
+
+    @torch.inference_mode(False)  # a first call under inference_mode must not make inference tensors
+    def _bind_buffers(self, buffers: FlatBuffers) -> None:
+        """Point the unsharded parameters at ``buffers`` (created at the first bind, then re-pointed)."""
+        self.buffers = buffers
+        self._param_flat = buffers.params[: self.layout.padded_numel]
+        for param, view in zip(self.params, self.layout.param_views(alias(self._param_flat))):
+            param.bind(view)
+
+    def _dynamic_storages(self):
+        b, streams = self.buffers, self._streams
+        pairs = ((b.params, streams.all_gather), (b.grads.tensor, streams.reduce),
+                 (b.reduce_in, streams.reduce), (b.reduce_out, streams.reduce))
+        return [(t, stream) for t, stream in pairs if t is not None]
+
+    def _free_dynamic(self) -> None:
+        """Dynamic placement, at reshard: give the memory back. The storage objects stay, so every
+        view of them (the unsharded parameters, views autograd saved) sees the memory again when
+        ``_regrow_dynamic`` reallocates it (possibly at another address), as FSDP2 does."""
+        for tensor, stream in self._dynamic_storages():
+            if stream is not None:
+                tensor.record_stream(stream)
+            tensor.untyped_storage().resize_(0)
+
+    def _regrow_dynamic(self) -> None:
+        for tensor, _ in self._dynamic_storages():
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(tensor.numel() * tensor.element_size())
+
+    def _acquire(self, prefetch: bool) -> bool:
+        """Own a buffer for the unsharded parameters; False when a prefetch finds it busy."""
+        if self.placement is Placement.DYNAMIC:
+            self._regrow_dynamic()
+            return True
+        self.take_slot()
+        owner = self.buffers.param_owner
+        if owner is not None and owner is not self:
+            if owner.state is ShardState.UNSHARDED:
+                if prefetch:
+                    return False
+                raise RuntimeError(
+                    f"FSDP units {owner.name} and {self.name} share a double-buffer slot but both need "
+                    "their parameters unsharded at once (units run in a different order than in the "
+                    "first forward, or one unit runs inside another that is not its parent unit). "
+                    "Pass double_buffer=False to fully_shard for one of them."
+                )
+            owner.evict()
+        self.buffers.param_owner = self
+        return True
+
+    # -- unshard / reshard ----------------------------------------------------------------
+    def _issue_unshard(self, prefetch: bool) -> bool:
+        if not self._acquire(prefetch):
+            return False
+        streams = self._streams
+        if self.layout.padded_numel:
+            with streams.enter(streams.all_gather):
+                self.layout.shard_slice(self._param_flat).copy_(self.master_flat)
+                all_gather_inplace(self._param_flat, self.layout.shard_numel, self.group)
+                self._unshard_event = streams.record(streams.all_gather)
+        return True
+
+    def unshard(self) -> None:
+        """Gather now (for use in this step); the data lands asynchronously on GPU."""
+        self._issue_unshard(prefetch=False)
+        self.state = ShardState.GATHERED
+
+    def prefetch(self) -> None:
+        """Gather ahead of use, unless the buffer is busy with another unit's parameters."""
+        if self._issue_unshard(prefetch=True):
+            self.state = ShardState.PREFETCHED
+
+    def use(self) -> None:
+        """Swap the gathered parameters into the modules (the compute stream waits for them)."""
+        CommStreams.wait(self._unshard_event)
+        self._unshard_event = None
+        for param in self.params:
+            param.use_unsharded(self.name)
+        self.state = ShardState.UNSHARDED
+
+    def use_masters(self) -> None:
+        for param in self.params:
+            param.use_master()
+
+    def reshard(self) -> None:
+        """The masters go back into the modules; the buffer is free for the next unit."""
+        self.use_masters()
+        if self.placement is Placement.DYNAMIC:
+            self._free_dynamic()
+            self.state = ShardState.SHARDED
+        else:
+            self.state = ShardState.GATHERED
+
+    def clear_prefetch(self) -> None:
+        if self.state is ShardState.PREFETCHED:
+            self.state = ShardState.GATHERED
+
+    def evict(self) -> None:
+        """Another unit takes the slot: its data will overwrite ours."""
+        self.state = ShardState.SHARDED
+
+    def drop(self) -> None:
+        """The gathered copy is stale (the optimizer will change the masters), or a reset."""
+        if self.state is ShardState.UNSHARDED:
+            self.use_masters()
+        self.state = ShardState.SHARDED
+
+    def forget_event(self) -> None:
+        self._unshard_event = None
+
+    def sync_requires_grad(self) -> bool:
+        """Follow ``requires_grad`` changes made on the masters after fully_shard; True if any."""
+        changed = False
+        for param in self.params:
+            changed |= param.sync_requires_grad()
+        return changed
+
+    # -- full parameters (state dicts, re-planning) ---------------------------------------
+    def full_params(self) -> list[torch.Tensor]:
+        """Every parameter's full value, in its original shape and dtype (a collective)."""
+        full = torch.zeros(self.layout.padded_numel, dtype=self.master_flat.dtype, device=self.device)
+        with torch.no_grad():
+            self.layout.shard_slice(full).copy_(self.master_flat)
+            all_gather_inplace(full, self.layout.shard_numel, self.group)
+        return [view.to(p.dtype, copy=True) for view, p in zip(self.layout.param_views(full), self.params)]
+
+    def load_full_param(self, index: int, value: torch.Tensor, key: str) -> None:
+        span = self.layout.spans[index]
+        if tuple(value.shape) != tuple(span.shape):
+            raise ValueError(
+                f"load_full_state_dict: '{key}' has shape {tuple(value.shape)} but the model's parameter "
+                f"has shape {tuple(span.shape)}"
+            )
+        piece = value.detach().reshape(-1)[span.piece_start : span.piece_start + span.piece_numel]
+        with torch.no_grad():
+            self.params[index].master.copy_(piece)

@@ -1,0 +1,125 @@
+"""What all units under one root share: lazy init, the iteration boundaries, the end of backward.
+
+``fully_shard`` makes one ``RootContext`` per tree of units (the outermost unit is the root).
+At the first step (``lazy_init``), when every unit is known, as in FSDP2, it plans every unit's
+buffer placement (``buffers.plan_placements``), creates the comm streams and the execution order,
+and hands them to the units (``FSDPUnit.bind``). Hooks enter here (``pre_forward`` ...): the root's
+forward starts an iteration, its end ends the forward pass, and the end-of-backward callback runs
+post-backward for units autograd did not reach and joins the comm streams.
+
+``outside_training_step`` brackets unit steps that are no training step (graph warm-up and
+capture): afterwards every unit is idle, the recorded order and all gradients are as before.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from .buffers import plan_placements
+from .collectives import CommStreams
+from .order import ExecutionOrder
+from .training_state import TrainingState
+from .unit import FSDPUnit
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread right now."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class RootContext:
+    def __init__(self, root: FSDPUnit, units: list[FSDPUnit]) -> None:
+        self.root = root
+        self.units = units  # the root first, then every unit under it in module order
+        self.streams: CommStreams | None = None
+        self.order: ExecutionOrder[FSDPUnit] = ExecutionOrder()
+        self._end_of_backward_queued = False
+
+    def lazy_init(self) -> None:
+        """Plan placements and bind every unit (once; idempotent)."""
+        if self.streams is not None:
+            return
+        self.streams = CommStreams(self.root.device)
+        with_inner = {id(u.parent) for u in self.units if u.parent is not None}
+        requests = [u.placement_request(id(u) in with_inner) for u in self.units]
+        for unit, (placement, pool) in zip(self.units, plan_placements(requests)):
+            unit.bind(placement, pool, self.streams, self.order)
+
+    # -- hook entry points ----------------------------------------------------------------
+    def pre_forward(self, unit: FSDPUnit) -> None:
+        self.lazy_init()
+        if unit is self.root and not _in_backward():
+            self.begin_forward()  # a new iteration (also recovers units an exception left mid-step)
+        unit.pre_forward()
+
+    def post_forward(self, unit: FSDPUnit) -> None:
+        if unit.post_forward() and unit is self.root:
+            self.end_forward()
+
+    def pre_backward(self, unit: FSDPUnit) -> None:
+        self.lazy_init()
+        unit.pre_backward()
+
+    def queue_end_of_backward(self) -> None:
+        """From inside autograd's backward: run ``end_backward`` when it ends (once per backward)."""
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+
+    # -- iteration boundaries -------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """Root pre-forward: a new iteration. Recover units left mid-step by an exception."""
+        self._end_of_backward_queued = False
+        for unit in self.units:
+            unit.reset_if_stuck()
+            unit.param_group.clear_prefetch()
+
+    def end_forward(self) -> None:
+        self.order.forward_done()
+        for unit in self.units:
+            unit.param_group.clear_prefetch()
+        self.streams.wait_for_all()
+
+    def end_backward(self) -> None:
+        """Run post-backward for units autograd did not reach (e.g. the root, whose inputs need
+        no gradient), then make the current stream wait for every reduce-scatter."""
+        self._end_of_backward_queued = False
+        for unit in self.units:
+            if unit.state is TrainingState.BACKWARD:
+                unit.post_backward()
+        self.order.backward_done()
+        self.streams.wait_for_all()
+
+    # -- steps that are no training step (graph capture) ----------------------------------
+    @contextmanager
+    def outside_training_step(self) -> Iterator[None]:
+        """Unit steps run by graph warm-up and capture are no training step: afterwards every unit
+        is idle with nothing prefetched, and the recorded execution order and all gradients are
+        as before (also when capture fails)."""
+        self.lazy_init()
+        # Capture unshards only the graphed units, in list order: slots taken then would not
+        # alternate in execution order. Take them in module order (a stack's forward order) first.
+        for unit in self.units:
+            unit.take_slot()
+        order = self.order.snapshot()
+        grads = [unit.grads.snapshot() for unit in self.units]
+        try:
+            yield
+        finally:
+            self.streams.wait_for_all()
+            for unit, snapshot in zip(self.units, grads):
+                unit.reset_if_stuck()
+                unit.param_group.clear_prefetch()
+                unit.grads.restore(snapshot)
+            self.order.restore(order)
+            self._end_of_backward_queued = False
+
+    def forget_events(self) -> None:
+        """Around a whole-step capture: see ``FSDPUnit.forget_events``. Synchronises the device."""
+        self.lazy_init()
+        self.streams.synchronize()
+        for unit in self.units:
+            unit.forget_events()

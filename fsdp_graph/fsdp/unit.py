@@ -1,0 +1,239 @@
+"""One FSDP unit: its checked steps (pre/post forward, pre/post backward) over its parameter group.
+
+A unit is a module passed to ``fully_shard``. It owns a ``ParamGroup`` (master shard,
+persistent buffer, unshard/reshard: ``param_group.py``) and a ``UnitGradients`` (gradient
+targets, ``no_sync``, reduce-scatter: ``gradients.py``). What it adds is the order of things and
+the checks: each step verifies the unit's training state (``training_state.py``) and raises a
+``TransitionError`` naming the unit when called out of order, which is what lets a graph wrapper
+drive the steps by hand. The forward and backward steps also prefetch the neighbour that the
+root's recorded execution order names (``order.py``).
+
+Buffers, streams and the execution order are given to the unit by its root at lazy init
+(``bind``); the unit never reaches up to the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .buffers import BufferDtypes, Placement, PlacementRequest, SlotPool
+from .collectives import CommStreams
+from .distributed import group_rank_and_size
+from .gradients import UnitGradients
+from .mixed_precision import MixedPrecision
+from .order import ExecutionOrder
+from .param_group import HOLDS_DATA, ParamGroup, ShardState
+from .sharded_param import ShardedParam
+from .training_state import TrainingState, TransitionError, check_transition
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    mp_policy: MixedPrecision
+    double_buffer: bool
+    persist_buffer_on_alloc_fail: bool
+
+    @property
+    def fixed_addresses(self) -> bool:
+        """Unsharded parameters and gradients never move: what a CUDA graph needs."""
+        return self.double_buffer and self.persist_buffer_on_alloc_fail
+
+
+def _dtypes(name: str, params: list[tuple[str, nn.Parameter, list]], policy: MixedPrecision):
+    """(compute, reduce, master) dtypes, or an error naming the parameter and the fix."""
+    for pname, p, _ in params:
+        if not p.dtype.is_floating_point:
+            raise TypeError(
+                f"FSDP unit {name}: parameter '{pname}' has dtype {p.dtype}; fully_shard shards "
+                "floating-point parameters only. Register it as a buffer instead."
+            )
+    dtypes = sorted({p.dtype for _, p, _ in params}, key=str)
+    if policy.param_dtype is None and len(dtypes) > 1:
+        examples = ", ".join(f"'{next(n for n, p, _ in params if p.dtype == d)}' is {d}" for d in dtypes)
+        raise TypeError(
+            f"FSDP unit {name} has parameters of mixed dtypes ({examples}). One flat buffer "
+            "needs one compute dtype: pass mp_policy=MixedPrecision(param_dtype=...), cast the "
+            "module with .to(dtype) before fully_shard, or fully_shard the differing submodule "
+            "as its own unit."
+        )
+    compute = policy.param_dtype or (dtypes[0] if dtypes else torch.float32)
+    reduce = policy.reduce_dtype or compute
+    master = torch.float32
+    for d in dtypes:
+        master = torch.promote_types(master, d)
+    return compute, reduce, master
+
+
+class FSDPUnit:
+    def __init__(self, module: nn.Module, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+                 config: UnitConfig, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.module = module
+        self.class_name = type(module).__name__
+        self.config = config
+        self.group = group
+        self.device = device
+        rank, self.world_size = group_rank_and_size(group)
+        compute, reduce, master = _dtypes(self.class_name, params, config.mp_policy)
+        self.compute_dtype = compute
+        self.param_group = ParamGroup(self.class_name, params, BufferDtypes(compute, reduce), master, group,
+                                      self.world_size, rank, device)
+        self.grads = UnitGradients(self.params, self.param_group.layout, compute, self.param_group.master_flat,
+                                   group, self.world_size)
+        for param in self.params:
+            param.tag(self)
+        self.name = self.class_name  # fully_shard renames it to "<path> (<class>)" once the tree is known
+        self.active = True  # False once fully_shard dissolved it to rebuild it
+        self.state = TrainingState.IDLE
+        self.requires_gradient_sync = True
+        self.parent: FSDPUnit | None = None
+        self._streams: CommStreams | None = None
+        self._order: ExecutionOrder | None = None
+        self._grad_hooked: set[int] = set()
+        self._grad_hooks_current = False  # every trainable unsharded parameter has its hook
+        self._post_backward_from_params = False  # inputs need no grad: finish when all grads accumulated
+        self._grads_accumulated = 0
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = self.param_group.name = value
+
+    @property
+    def params(self) -> list[ShardedParam]:
+        return self.param_group.params
+
+    @property
+    def placement(self) -> Placement | None:
+        return self.param_group.placement
+
+    @property
+    def shard_state(self) -> ShardState:
+        return self.param_group.state
+
+    # -- lazy init, by the root -----------------------------------------------------------
+    def placement_request(self, has_inner_units: bool) -> PlacementRequest:
+        layout, config = self.param_group.layout, self.config
+        return PlacementRequest(layout.padded_numel, self.world_size, self.param_group.dtypes, self.device,
+                                id(self.group), config.double_buffer, config.persist_buffer_on_alloc_fail,
+                                has_inner_units)
+
+    def bind(self, placement: Placement, pool: SlotPool | None, streams: CommStreams, order: ExecutionOrder) -> None:
+        self._streams, self._order = streams, order
+        self.param_group.bind(placement, pool, streams)
+
+    def take_slot(self) -> None:
+        self.param_group.take_slot()
+
+    # -- the four steps ---------------------------------------------------------------------
+    def pre_forward(self) -> bool:
+        """Unshard (unless prefetched) and prefetch the next unit; False for an activation-
+        checkpoint recompute inside backward, where pre_backward already unsharded."""
+        if self.state is TrainingState.BACKWARD:
+            return False
+        check_transition(self.name, "pre_forward", self.state, (TrainingState.IDLE,))
+        self._order.record_forward(self)
+        group = self.param_group
+        if group.state is not ShardState.PREFETCHED:
+            group.unshard()
+        if group.sync_requires_grad():
+            self.grads.refresh_trainable()
+            self._grad_hooks_current = False
+        group.use()
+        if not self._grad_hooks_current:
+            self._hook_grad_accumulation()
+        self.state = TrainingState.FORWARD
+        following = self._order.after_in_forward(self)
+        if following is not None and following.state is TrainingState.IDLE and following.shard_state is not ShardState.PREFETCHED:
+            following.param_group.prefetch()
+        return True
+
+    def post_forward(self) -> bool:
+        if self.state is TrainingState.BACKWARD:
+            return False
+        check_transition(self.name, "post_forward", self.state, (TrainingState.FORWARD,))
+        self.param_group.reshard()
+        self.state = TrainingState.IDLE
+        return True
+
+    def pre_backward(self) -> bool:
+        """Unshard again (unless the buffer still holds the parameters), point ``.grad`` at the
+        persistent targets, prefetch the previous unit. False when already done for this backward."""
+        if self.state is TrainingState.BACKWARD:
+            return False  # several outputs each fire the hook; the first one does the work
+        check_transition(self.name, "pre_backward", self.state, (TrainingState.IDLE,))
+        self._order.record_backward(self)
+        group = self.param_group
+        if group.state not in HOLDS_DATA:
+            group.unshard()
+        group.use()
+        if not self._grad_hooks_current:
+            self._hook_grad_accumulation()
+        self.state = TrainingState.BACKWARD
+        self.grads.prepare(group.buffers, self.requires_gradient_sync)
+        self._grads_accumulated = 0
+        previous = self._order.after_in_backward(self)
+        if previous is not None and previous.state is TrainingState.IDLE and previous.shard_state not in HOLDS_DATA:
+            previous.param_group.prefetch()
+        return True
+
+    def post_backward(self) -> None:
+        check_transition(self.name, "post_backward", self.state, (TrainingState.BACKWARD,))
+        self.grads.finish(self.param_group.buffers, self._streams, self.requires_gradient_sync)
+        self._post_backward_from_params = False
+        self.param_group.reshard()
+        self.param_group.drop()  # the optimizer changes the masters next
+        self.state = TrainingState.IDLE
+
+    # -- post-backward for units whose inputs need no gradient -----------------------------
+    def post_backward_from_param_grads(self) -> None:
+        """Called at forward time when no input requires grad: finish once every trainable
+        parameter's gradient has been accumulated (nothing else to hang post-backward on)."""
+        self._post_backward_from_params = True
+
+    def _hook_grad_accumulation(self) -> None:
+        """Once the unsharded parameters exist (the first unshard) and after requires_grad changes."""
+        for i in self.grads.trainable:
+            if i not in self._grad_hooked:
+                self.params[i].unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+                self._grad_hooked.add(i)
+        self._grad_hooks_current = True
+
+    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        if not self._post_backward_from_params or self.state is not TrainingState.BACKWARD:
+            return
+        self._grads_accumulated += 1
+        if self._grads_accumulated == len(self.grads.trainable):
+            self.post_backward()
+
+    # -- iteration boundaries and capture, by the root ------------------------------------
+    def reset_if_stuck(self) -> None:
+        """Bring a unit left mid-step by an exception back to IDLE (called at a root forward)."""
+        if self.state is not TrainingState.IDLE:
+            self.param_group.drop()
+            self.grads.abandon()
+            self._post_backward_from_params = False
+            self.state = TrainingState.IDLE
+
+    def forget_events(self) -> None:
+        """Drop recorded CUDA events (call after a device synchronize). A capture must not wait on
+        an event recorded outside it, and eager work must not wait on one recorded inside it."""
+        self.param_group.forget_event()
+        self.grads.forget_events(self.param_group.buffers)
+
+    def require_idle(self, what: str) -> None:
+        if self.state is not TrainingState.IDLE:
+            raise TransitionError(
+                f"FSDP unit {self.name}: {what} needs the unit idle, but it is in {self.state.value}; "
+                "call it outside forward/backward."
+            )
+
+    def __repr__(self) -> str:
+        numel = self.param_group.layout.numel
+        return f"FSDPUnit({self.name}, params={len(self.params)}, numel={numel}, state={self.state.value})"

@@ -1,0 +1,87 @@
+"""``make_train_step`` / ``make_eval_step``: a ``GraphConfig`` turned into a step, the one entry point.
+
+A training script switches between eager, per-layer and whole-step graphs by the config alone:
+
+    step = fsdp_graph.make_train_step(loss_fn, model, opt, config=GraphConfig(strategy="full_iteration"),
+                                      example_batch=batch)
+    for batch in loader:
+        loss = step(*batch)
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..fsdp.capture_interface import root_contexts
+from ..graphs.module_graphs import eval_mode, graph_modules, record_sample_args
+from .eval_step import EvalStep, GraphedForward
+from .graph_config import GraphConfig, check_capturable_optimizer, selected_modules, validate_graph_config
+from .train_step import GraphedTrainStep, TrainStep
+
+
+def _require_example(example, what: str, config: GraphConfig):
+    if example is None:
+        raise ValueError(f"{what} with {config} needs an example batch: its shapes fix the graph's shapes")
+    return tuple(example)
+
+
+def make_train_step(
+    loss_fn: Callable[..., torch.Tensor],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    config: GraphConfig | None = None,
+    example_batch: tuple | None = None,
+    grad_accum_steps: int = 1,
+    max_grad_norm: float | None = None,
+) -> TrainStep | GraphedTrainStep:
+    """A training step ``step(*batch) -> loss`` for ``config.strategy`` (see ``train_step.py``).
+
+    ``loss_fn(*batch)`` runs the forward and returns the scalar loss; the step does the backward,
+    the reduce-scatters, optional clipping (``max_grad_norm``) and the optional optimizer step.
+    ``example_batch`` (needed by graphs) fixes the arguments' shapes and dtypes; with
+    ``grad_accum_steps=K`` each argument stacks K micro-batches: ``[K, *micro_batch_shape]``.
+    """
+    config = validate_graph_config(config, model)
+    body = TrainStep(loss_fn, model, optimizer, grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm)
+    if config.strategy == "none":
+        return body
+    example = _require_example(example_batch, "make_train_step", config)
+    if config.strategy == "full_iteration":
+        check_capturable_optimizer(optimizer)
+        return GraphedTrainStep(body, example, num_warmup_iters=config.num_warmup_iters)
+    modules = selected_modules(model, config)
+    micro = body.micro_batches(example)[0]
+    samples = _samples(model, modules, lambda: loss_fn(*micro))
+    graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
+                  num_warmup_iters=config.num_warmup_iters)
+    return body
+
+
+def make_eval_step(model: nn.Module, *, config: GraphConfig | None = None, example_args: tuple | None = None):
+    """An evaluation step ``evaluate(*args) -> model outputs`` (eval mode, no gradients) for
+    ``config.forward_only``: eager, per-layer forward-only graphs, or the whole forward as one graph."""
+    config = validate_graph_config(config, model)
+    if config.forward_only == "none":
+        return EvalStep(model)
+    example = _require_example(example_args, "make_eval_step", config)
+    if config.forward_only == "model":
+        return GraphedForward(model, example, num_warmup_iters=config.num_warmup_iters)
+    modules = selected_modules(model, config)
+    with eval_mode(model), torch.no_grad():
+        samples = _samples(model, modules, lambda: model(*example))
+    graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
+                  num_warmup_iters=config.num_warmup_iters, forward_only=True)
+    return EvalStep(model)
+
+
+def _samples(model: nn.Module, modules: list[nn.Module], run: Callable[[], object]) -> list[tuple[tuple, dict]]:
+    """Each module's arguments in one example forward, which is no training step."""
+    with ExitStack() as stack:
+        for ctx in root_contexts(model):
+            stack.enter_context(ctx.outside_training_step())
+        return record_sample_args(modules, run)
