@@ -170,7 +170,7 @@ def _link(root_unit: FSDPUnit) -> None:
         unit = module.__dict__.get(UNIT_ATTR)
         if unit is not None and unit is not enclosing:
             unit.parent = enclosing
-            unit.name = f"{name or '<root>'} ({unit.class_name})"
+            unit.rename(f"{name or '<root>'} ({unit.class_name})")
             all_units.append(unit)
             enclosing = unit
         module.__dict__[ENCLOSING_ATTR] = enclosing

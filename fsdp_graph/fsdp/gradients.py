@@ -13,6 +13,9 @@ copy when that differs from the compute dtype) and averages the result into the 
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
+
 import torch
 import torch.distributed as dist
 
@@ -33,6 +36,8 @@ class UnitGradients:
         self.sharded_flat = torch.zeros_like(master_flat)
         self._sharded_views = layout.piece_views(self.sharded_flat)
         self.trainable: list[int] = []
+        self._masters: list[torch.Tensor] = []  # of the trainable parameters, and their sharded views
+        self._trainable_views: list[torch.Tensor] = []
         self.refresh_trainable()
         self.accumulation_pending = False  # a no_sync sum waits in the accumulation buffer
         self._accum: GradBuffer | None = None
@@ -43,6 +48,8 @@ class UnitGradients:
 
     def refresh_trainable(self) -> None:
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+        self._masters = [self.params[i].master for i in self.trainable]
+        self._trainable_views = [self._sharded_views[i] for i in self.trainable]
 
     # -- around the backward ----------------------------------------------------------------
     def prepare(self, buffers: FlatBuffers, sync: bool) -> None:
@@ -104,15 +111,14 @@ class UnitGradients:
     def _accumulate_sharded(self, reduced: torch.Tensor) -> None:
         """master.grad (+)= reduced / world_size, as autograd would accumulate into ``.grad``."""
         scale = 1.0 / self.world_size
-        masters = [self.params[i].master for i in self.trainable]
-        views = [self._sharded_views[i] for i in self.trainable]
+        masters, views = self._masters, self._trainable_views
         current = [m.grad for m in masters]
-        if all(g is None for g in current):
+        if all(map(operator.is_, current, repeat(None))):
             self.sharded_flat.zero_()
             self.sharded_flat.add_(reduced, alpha=scale)
             for master, view in zip(masters, views):
                 master.grad = view
-        elif all(g is v for g, v in zip(current, views)):
+        elif all(map(operator.is_, current, views)):
             self.sharded_flat.add_(reduced, alpha=scale)
         else:
             for master, grad, view, i in zip(masters, current, views, self.trainable):

@@ -114,7 +114,8 @@ class ParamGroup:
         if self.placement is Placement.DYNAMIC:
             self._regrow_dynamic()
             return True
-        self.take_slot()
+        if self.buffers is None:
+            self._bind_buffers(self._pool.assign())
         owner = self.buffers.param_owner
         if owner is not None and owner is not self:
             if owner.state is ShardState.UNSHARDED:
@@ -162,7 +163,9 @@ class ParamGroup:
 
     def use_masters(self) -> None:
         for param in self.params:
-            param.use_master()
+            master = param.master
+            for module, attr in param.refs:
+                module._parameters[attr] = master
 
     def reshard(self) -> None:
         """The masters go back into the modules; the buffer is free for the next unit."""
@@ -194,7 +197,9 @@ class ParamGroup:
         """Follow ``requires_grad`` changes made on the masters after fully_shard; True if any."""
         changed = False
         for param in self.params:
-            changed |= param.sync_requires_grad()
+            if param.master.requires_grad != param.requires_grad:
+                param.follow_requires_grad()
+                changed = True
         return changed
 
     # -- full parameters (state dicts, re-planning) ---------------------------------------

@@ -83,31 +83,27 @@ class ShardedParam:
         self.unsharded.data = view
         return False
 
+    # The group swaps its parameters in one loop (``ParamGroup.use`` / ``use_masters``): per-layer
+    # host time matters, so the per-parameter work on the hot path is this one call.
     def use_unsharded(self, unit_name: str) -> None:
-        self.check_not_replaced(unit_name)
-        for module, attr in self.refs:
-            module._parameters[attr] = self.unsharded
-
-    def use_master(self) -> None:
-        for module, attr in self.refs:
-            module._parameters[attr] = self.master
-
-    def sync_requires_grad(self) -> bool:
-        """Follow a ``requires_grad`` change made on the master after fully_shard; True if changed."""
-        if self.master.requires_grad == self.requires_grad:
-            return False
-        self.requires_grad = self.master.requires_grad
-        self.unsharded.requires_grad_(self.requires_grad)
-        return True
-
-    def check_not_replaced(self, unit_name: str) -> None:
+        """Swap the unsharded parameter into every module that holds this one, after checking that
+        nobody replaced the master (or reassigned its ``.data``) since fully_shard."""
+        master, unsharded = self.master, self.unsharded
         for module, attr in self.refs:
             current = module._parameters.get(attr)
-            if current is not self.master and current is not self.unsharded:
-                break
-        else:
-            if self.master.numel() == 0 or self.master.data_ptr() == self.master_ptr:
-                return
+            if current is not master and current is not unsharded:
+                self._replaced(unit_name)
+        if master.data_ptr() != self.master_ptr and master.numel():
+            self._replaced(unit_name)
+        for module, attr in self.refs:
+            module._parameters[attr] = unsharded
+
+    def follow_requires_grad(self) -> None:
+        """Take over a ``requires_grad`` change made on the master after fully_shard."""
+        self.requires_grad = self.master.requires_grad
+        self.unsharded.requires_grad_(self.requires_grad)
+
+    def _replaced(self, unit_name: str) -> None:
         raise RuntimeError(
             f"FSDP unit {unit_name}: parameter '{self.name}' was replaced after fully_shard (the module "
             "no longer holds the sharded parameter fully_shard installed, or its .data was reassigned). "

@@ -93,17 +93,12 @@ class FSDPUnit:
         self._streams: CommStreams | None = None
         self._order: ExecutionOrder | None = None
         self._grad_hooked: set[int] = set()
-        self._grad_hooks_current = False  # every trainable unsharded parameter has its hook
+        self._grad_hooks_current = False  # every trainable unsharded parameter has its accumulation hook
         self._post_backward_from_params = False  # inputs need no grad: finish when all grads accumulated
         self._grads_accumulated = 0
 
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @name.setter
-    def name(self, value: str) -> None:
-        self._name = self.param_group.name = value
+    def rename(self, name: str) -> None:
+        self.name = self.param_group.name = name
 
     @property
     def params(self) -> list[ShardedParam]:
@@ -146,12 +141,10 @@ class FSDPUnit:
             self.grads.refresh_trainable()
             self._grad_hooks_current = False
         group.use()
-        if not self._grad_hooks_current:
-            self._hook_grad_accumulation()
         self.state = TrainingState.FORWARD
         following = self._order.after_in_forward(self)
-        if following is not None and following.state is TrainingState.IDLE and following.shard_state is not ShardState.PREFETCHED:
-            following.param_group.prefetch()
+        if following is not None:
+            following.prefetch(for_backward=False)
         return True
 
     def post_forward(self) -> bool:
@@ -173,14 +166,12 @@ class FSDPUnit:
         if group.state not in HOLDS_DATA:
             group.unshard()
         group.use()
-        if not self._grad_hooks_current:
-            self._hook_grad_accumulation()
         self.state = TrainingState.BACKWARD
         self.grads.prepare(group.buffers, self.requires_gradient_sync)
         self._grads_accumulated = 0
         previous = self._order.after_in_backward(self)
-        if previous is not None and previous.state is TrainingState.IDLE and previous.shard_state not in HOLDS_DATA:
-            previous.param_group.prefetch()
+        if previous is not None:
+            previous.prefetch(for_backward=True)
         return True
 
     def post_backward(self) -> None:
@@ -191,14 +182,27 @@ class FSDPUnit:
         self.param_group.drop()  # the optimizer changes the masters next
         self.state = TrainingState.IDLE
 
+    def prefetch(self, for_backward: bool) -> None:
+        """Gather ahead of this unit's step (asked by the unit before it). Not while it computes;
+        not twice in a forward; not in a backward when the buffer still holds its parameters."""
+        if self.state is not TrainingState.IDLE:
+            return
+        state = self.param_group.state
+        if state is ShardState.PREFETCHED or (for_backward and state in HOLDS_DATA):
+            return
+        self.param_group.prefetch()
+
     # -- post-backward for units whose inputs need no gradient -----------------------------
     def post_backward_from_param_grads(self) -> None:
         """Called at forward time when no input requires grad: finish once every trainable
-        parameter's gradient has been accumulated (nothing else to hang post-backward on)."""
+        parameter's gradient has been accumulated (nothing else to hang post-backward on). Only
+        such units (typically the root, whose inputs are token ids) carry the per-parameter hooks."""
         self._post_backward_from_params = True
+        if not self._grad_hooks_current:
+            self._hook_grad_accumulation()
 
     def _hook_grad_accumulation(self) -> None:
-        """Once the unsharded parameters exist (the first unshard) and after requires_grad changes."""
+        """Hook every trainable unsharded parameter (again after requires_grad changes)."""
         for i in self.grads.trainable:
             if i not in self._grad_hooked:
                 self.params[i].unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
