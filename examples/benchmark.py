@@ -33,8 +33,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 _EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _EXAMPLES_DIR)
@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import fsdp_graph  # noqa: E402
+
 from gpt import CONFIGS, GPT, GPTConfig  # noqa: E402
 from hot_path import HotPathTimer  # noqa: E402
 from step_profile import kernel_breakdown  # noqa: E402

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import run_ranks
 from fsdp_graph.fsdp.buffers import BufferDtypes, Placement, PlacementRequest, plan_placements
 from fsdp_graph.fsdp.flat_layout import ALIGN_NUMEL, FlatLayout
 from fsdp_graph.fsdp.introspect import unit_buffers, unsharded_grad_addresses, unsharded_param_addresses
 from fsdp_graph.fsdp.registry import units_in
+
+from dist_harness import run_ranks
 from models import build, local_loss, shard
 
 

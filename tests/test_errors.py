@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_graph
+
 from models import build, global_batch, lm_loss, shard
 
 CPU = torch.device("cpu")

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import fsdp_graph
+from fsdp_graph import GraphConfig
+
 from dist_harness import run_ranks
 from examples.gpt import GPT
-from fsdp_graph import GraphConfig
 from test_graph_parity_gpu import CFG, MICRO_BATCH, STEPS, _batch, _build
 
 needs_two = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import fsdp_graph
-from dist_harness import run_ranks
 from fsdp_graph.fsdp.introspect import watch_steps
+
+from dist_harness import run_ranks
 from models import build, local_loss, shard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

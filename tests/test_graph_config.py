@@ -13,10 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_graph
-from dist_harness import run_ranks
 from fsdp_graph import GraphConfig
 from fsdp_graph.fsdp.registry import units_in
 from fsdp_graph.steps.graph_config import check_capturable_optimizer, validate_graph_config
+
+from dist_harness import run_ranks
 from models import TinyLM, assert_full_state_matches, build, global_batch, lm_loss, local_part, shard
 from test_graphed_callable import emulated
 

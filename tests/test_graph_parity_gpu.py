@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_graph
+
 from dist_harness import run_ranks
 from examples.gpt import GPT, GPTConfig
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import fsdp_graph
-from dist_harness import run_ranks
 from fsdp_graph.fsdp.hooks import (
     cast_forward_inputs,
     install_post_backward,
@@ -18,6 +17,8 @@ from fsdp_graph.fsdp.introspect import watch_steps
 from fsdp_graph.fsdp.param_group import ShardState
 from fsdp_graph.fsdp.registry import root_contexts, units_in
 from fsdp_graph.fsdp.training_state import TrainingState
+
+from dist_harness import run_ranks
 from models import build, global_batch, lm_loss, local_loss, shard
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_graph
+
 from dist_harness import run_ranks
 from models import assert_full_state_matches, build, global_batch, lm_loss, local_loss, shard
 

@@ -21,6 +21,7 @@ from fsdp_graph.fsdp.registry import pinned_by, root_contexts
 from fsdp_graph.fsdp.training_state import TrainingState
 from fsdp_graph.graphs.graphed_callable import GraphedCallable
 from fsdp_graph.graphs.reroute import hooks_taken_off, seal_submodule_hooks
+
 from models import Block, TinyLM
 
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",

@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 
 import fsdp_graph
-from dist_harness import run_ranks
 from fsdp_graph.fsdp.registry import units_in
+
+from dist_harness import run_ranks
 from models import assert_full_state_matches, build, global_batch, sgd_pair, shard, train_beside_reference
 
 CPU = torch.device("cpu")

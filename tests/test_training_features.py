@@ -6,8 +6,19 @@ import pytest
 import torch
 
 import fsdp_graph
+
 from dist_harness import run_ranks
-from models import TinyLM, assert_full_state_matches, build, global_batch, lm_loss, local_loss, local_part, shard, train_beside_reference
+from models import (
+    TinyLM,
+    assert_full_state_matches,
+    build,
+    global_batch,
+    lm_loss,
+    local_loss,
+    local_part,
+    shard,
+    train_beside_reference,
+)
 
 
 def _accumulation(info, api: str) -> None:

@@ -12,8 +12,8 @@ The module's class is swapped for a subclass that also derives from ``FSDPModule
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

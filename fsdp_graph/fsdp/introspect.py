@@ -8,9 +8,9 @@ only while its block runs: the default hot path carries no check for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from .buffers import Placement
 from .root import RootContext

@@ -13,8 +13,8 @@ capture): afterwards every unit is idle, the recorded order and all gradients ar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 

@@ -8,7 +8,7 @@ every rank.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn

@@ -21,9 +21,10 @@ hooks run eagerly (``module(...)``) before the graphed forward sees its argument
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn

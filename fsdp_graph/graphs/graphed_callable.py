@@ -24,8 +24,9 @@ The graphs only need a ``replay()`` method, which is what lets the checks run in
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn

@@ -20,8 +20,8 @@ For every module, in this order:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import Callable, Iterator, Sequence
 
 import torch.nn as nn
 from torch.utils._pytree import tree_map

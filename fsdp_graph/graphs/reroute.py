@@ -22,14 +22,13 @@ Meanwhile each hook becomes a capture-time hook under its own id:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch.nn as nn
 
-from .capture import HOOK_KEYS
 from ..fsdp.capture_interface import BACKWARD_PRE_SENTINEL, BACKWARD_SENTINEL
+from .capture import HOOK_KEYS
 
 # Every attribute nn.Module keeps hook state in, and the empty value it gets during capture.
 _HOOK_STATE = {

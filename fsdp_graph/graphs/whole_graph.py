@@ -15,8 +15,9 @@ The warm-up runs on the capture's stream, so the autograd engine's per-stream st
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 import torch
 

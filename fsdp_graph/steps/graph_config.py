@@ -25,8 +25,8 @@ training script switches between eager, layer and full-iteration graphs by the c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import torch
 import torch.nn as nn

@@ -10,8 +10,8 @@ A training script switches between eager, per-layer and whole-step graphs by the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Callable
 
 import torch
 import torch.nn as nn

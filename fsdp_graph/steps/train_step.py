@@ -32,7 +32,7 @@ learning rates in place) take effect without re-capture. Without an optimizer, t
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
