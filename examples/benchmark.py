@@ -94,7 +94,8 @@ def make_batches(bench: BenchConfig, env: Env, steps: int) -> list[tuple[torch.T
         g = torch.Generator().manual_seed(step)
         idx = torch.randint(0, cfg.vocab_size, (bench.micro_batch * env.world_size, cfg.seq_len), generator=g)
         targets = (idx * 7 + 3) % cfg.vocab_size  # learnable: losses fall, so comparing them means something
-        out.append((idx.chunk(env.world_size)[env.rank].to(env.device), targets.chunk(env.world_size)[env.rank].to(env.device)))
+        out.append((idx.chunk(env.world_size)[env.rank].to(env.device),
+                    targets.chunk(env.world_size)[env.rank].to(env.device)))
     return out
 
 
@@ -361,7 +362,8 @@ def markdown(records: list[dict]) -> str:
         return "–" if value is None else format(value, fmt)
 
     lines = [
-        "| config | system | step ms (median, min–max) | host ms | tokens/s | peak GiB | × fsdp2_eager | × fsdp2_full_graph | × floor | losses vs ours_eager |",
+        "| config | system | step ms (median, min–max) | host ms | tokens/s | peak GiB | × fsdp2_eager "
+        "| × fsdp2_full_graph | × floor | losses vs ours_eager |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
@@ -370,21 +372,26 @@ def markdown(records: list[dict]) -> str:
             continue
         match = r.get("losses_match_ours")
         match_text = "–" if match is None else (
-            "bitwise" if r.get("losses_bitwise_equal_ours") else f"{'yes' if match else 'NO'} (max |Δ| {r['loss_max_abs_diff_vs_ours']:.2g})"
+            "bitwise" if r.get("losses_bitwise_equal_ours")
+            else f"{'yes' if match else 'NO'} (max |Δ| {r['loss_max_abs_diff_vs_ours']:.2g})"
         )
         lines.append(
-            f"| {r['config']} | {r['system']} | {r['step_ms_median']:.2f} ({r['step_ms_min']:.2f}–{r['step_ms_max']:.2f}) "
+            f"| {r['config']} | {r['system']} | {r['step_ms_median']:.2f} "
+            f"({r['step_ms_min']:.2f}–{r['step_ms_max']:.2f}) "
             f"| {r['host_ms_median']:.2f} | {r['tokens_per_s']:,.0f} | {f(r['peak_mem_gib'], '.2f')} "
-            f"| {f(r.get('x_fsdp2_eager'), '.2f')} | {f(r.get('x_fsdp2_full_graph'), '.2f')} | {f(r.get('x_floor'), '.2f')} | {match_text} |"
+            f"| {f(r.get('x_fsdp2_eager'), '.2f')} | {f(r.get('x_fsdp2_full_graph'), '.2f')} "
+            f"| {f(r.get('x_floor'), '.2f')} | {match_text} |"
         )
     for r in records:
         if r.get("optimizer_ms") is not None:
-            lines += ["", f"{r['config']} / {r['system']}: the optimizer step alone (graphed) takes {r['optimizer_ms']:.2f} ms; "
+            lines += ["", f"{r['config']} / {r['system']}: the optimizer step alone (graphed) takes "
+                      f"{r['optimizer_ms']:.2f} ms; "
                       f"step / (floor + optimizer) = {f(r.get('x_floor_plus_optimizer'), '.2f')}"]
     for r in records:
         prof = r.get("profile") or {}
         if prof.get("kernel_ms_per_step"):
-            lines += ["", f"GPU time per step, {r['config']} / {r['system']} (--profile): span {prof['gpu_span_ms_per_step']:.2f} ms, "
+            lines += ["", f"GPU time per step, {r['config']} / {r['system']} (--profile): "
+                      f"span {prof['gpu_span_ms_per_step']:.2f} ms, "
                       f"not covered by compute kernels {prof['exposed_ms_per_step']:.2f} ms", "",
                       "| kernels | ms per step |", "|---|---|"]
             lines += [f"| {kind} | {ms:.2f} |" for kind, ms in prof["kernel_ms_per_step"].items()]
@@ -403,7 +410,8 @@ def plot(records: list[dict], path: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no chart (run `python examples/benchmark.py --plot results.json` where it is)")
+        print("matplotlib is not installed: no chart "
+              "(run `python examples/benchmark.py --plot results.json` where it is)")
         return False
     measured = [r for r in records if r.get("step_ms_median")]
     configs = list(dict.fromkeys(r["config"] for r in measured))
@@ -411,8 +419,10 @@ def plot(records: list[dict], path: str) -> bool:
     for ax, config in zip(axes[0], configs):
         rows = [r for r in measured if r["config"] == config]
         ax.bar([r["system"] for r in rows], [r["step_ms_median"] for r in rows],
-               yerr=[[r["step_ms_median"] - r["step_ms_min"] for r in rows], [r["step_ms_max"] - r["step_ms_median"] for r in rows]],
-               color=["#888" if r["system"].startswith("fsdp2") else "#2a7" if r["system"].startswith("ours") else "#ccc" for r in rows])
+               yerr=[[r["step_ms_median"] - r["step_ms_min"] for r in rows],
+                     [r["step_ms_max"] - r["step_ms_median"] for r in rows]],
+               color=["#888" if r["system"].startswith("fsdp2")
+                      else "#2a7" if r["system"].startswith("ours") else "#ccc" for r in rows])
         ax.set_title(f"{config} ({rows[0]['world_size']} x {rows[0]['device']})", fontsize=9)
         ax.set_ylabel("step time, ms (median; bars: min–max)")
         ax.tick_params(axis="x", rotation=30, labelsize=8)
@@ -424,13 +434,15 @@ def plot(records: list[dict], path: str) -> bool:
 # -- main ---------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", nargs="+", default=["small"], help="presets (small, medium) or custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
+    p.add_argument("--config", nargs="+", default=["small"],
+                   help="presets (small, medium) or custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="timed steps per system")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 warm-up and 3 timed steps (CPU/gloo in CI)")
     p.add_argument("--hot-path", action="store_true", help="also time our per-layer hooks and replays (adds overhead)")
-    p.add_argument("--profile", action="store_true", help="also break the whole-graph systems' GPU time down by kernel kind")
+    p.add_argument("--profile", action="store_true",
+                   help="also break the whole-graph systems' GPU time down by kernel kind")
     p.add_argument("--out", default="bench")
     p.add_argument("--plot", metavar="RESULTS_JSON", help="only draw the chart from an earlier run's results")
     args = p.parse_args(argv)

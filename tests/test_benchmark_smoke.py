@@ -21,7 +21,9 @@ def test_benchmark_smoke_run_writes_records_table_and_chart(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     records = {r["system"]: r for r in json.loads((tmp_path / "results.json").read_text())}
-    assert set(records) == {"fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_full_iteration", "floor"}
+    assert set(records) == {
+        "fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_full_iteration", "floor"
+    }
     measured = [r for r in records.values() if not r.get("skipped")]
     assert {"fsdp2_eager", "ours_eager"} <= {r["system"] for r in measured}
     for r in measured:

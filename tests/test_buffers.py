@@ -50,7 +50,9 @@ def _stable_addresses(info, big_block, persist: bool) -> None:
     expected = {"<root> (TinyLM)": Placement.DEDICATED if persist else Placement.DYNAMIC}
     for i in range(3):
         fits = i != big_block
-        expected[f"blocks.{i} (Block)"] = Placement.SLOT if fits else (Placement.DEDICATED if persist else Placement.DYNAMIC)
+        expected[f"blocks.{i} (Block)"] = (
+            Placement.SLOT if fits else (Placement.DEDICATED if persist else Placement.DYNAMIC)
+        )
     assert placements == expected
 
     for name, placement in placements.items():

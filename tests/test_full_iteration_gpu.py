@@ -24,7 +24,9 @@ from dist_harness import run_ranks
 from examples.gpt import GPT
 from test_graph_parity_gpu import CFG, MICRO_BATCH, STEPS, _batch, _build
 
-needs_two = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+needs_two = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
+)
 needs_one = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 WARMUP = 3
 LR_CHANGE_AT = 10
@@ -68,7 +70,9 @@ def _full_iteration_matches_eager(info, accum: int, max_grad_norm, optimizer_in_
     eager_losses, eager_state = _train(info, "none", accum, max_grad_norm, optimizer_in_step)
     losses, state = _train(info, "full_iteration", accum, max_grad_norm, optimizer_in_step)
     differing = [i for i in range(STEPS) if not torch.equal(losses[i], eager_losses[i])]
-    assert not differing, f"losses differ from step {differing[0]}: graphed {losses.tolist()} eager {eager_losses.tolist()}"
+    assert not differing, (
+        f"losses differ from step {differing[0]}: graphed {losses.tolist()} eager {eager_losses.tolist()}"
+    )
     assert eager_losses[-1] < eager_losses[0] - 0.1, f"the model should be learning: {eager_losses.tolist()}"
     for key, value in eager_state.items():
         assert torch.equal(state[key], value), f"{key} differs after {STEPS} steps"
@@ -116,7 +120,9 @@ def _eval_graphs_match_eager(info) -> None:
         assert model.training, "evaluation must restore the training mode"
         for name, evaluate in (("model", whole), ("layer", layers)):
             logits, loss = evaluate(*batch)
-            assert torch.equal(logits, expected[0]) and torch.equal(loss, expected[1]), f"forward_only={name} differs at step {step}"
+            assert torch.equal(logits, expected[0]) and torch.equal(loss, expected[1]), (
+                f"forward_only={name} differs at step {step}"
+            )
     assert whole.replays == 4
     eval_graphs = [b.forward for b in model.blocks]
     assert all(not g.captured.grad_enabled and g.replays == 4 for g in eval_graphs), [g.replays for g in eval_graphs]

@@ -50,5 +50,7 @@ def _steady_state_allocations(info, mp_policy) -> None:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_steady_state_step_allocates_nothing_in_hooks(dtype):
-    policy = None if dtype == "fp32" else fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = (
+        None if dtype == "fp32" else fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
     run_ranks(_steady_state_allocations, min(2, torch.cuda.device_count()), policy)

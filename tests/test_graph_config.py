@@ -25,7 +25,9 @@ from test_graphed_callable import emulated
 def test_config_values_are_normalised_or_refused_with_the_choices():
     model = shard(TinyLM())
     assert validate_graph_config(GraphConfig(strategy="None", forward_only="NONE"), model) == GraphConfig()
-    with pytest.raises(ValueError, match=r"GraphConfig.strategy is 'layers'; choose one of 'none', 'layer', 'full_iteration'"):
+    with pytest.raises(
+        ValueError, match=r"GraphConfig.strategy is 'layers'; choose one of 'none', 'layer', 'full_iteration'"
+    ):
         validate_graph_config(GraphConfig(strategy="layers"), model)
     with pytest.raises(ValueError, match=r"forward_only is 'whole'; choose one of 'none', 'layer', 'model'"):
         validate_graph_config(GraphConfig(forward_only="whole"), model)
@@ -45,8 +47,12 @@ def test_a_module_selection_with_full_iteration_or_without_layer_graphs_is_refus
 
 def test_graphs_without_persistent_buffers_are_refused():
     model = shard(TinyLM(), double_buffer=False)
-    for config in (GraphConfig(strategy="full_iteration"), GraphConfig(forward_only="model"), GraphConfig(strategy="layer")):
-        with pytest.raises(ValueError, match=r"double_buffer=False.*Pass double_buffer=True and persist_buffer_on_alloc_fail=True"):
+    for config in (
+        GraphConfig(strategy="full_iteration"), GraphConfig(forward_only="model"), GraphConfig(strategy="layer")
+    ):
+        with pytest.raises(
+            ValueError, match=r"double_buffer=False.*Pass double_buffer=True and persist_buffer_on_alloc_fail=True"
+        ):
             validate_graph_config(config, model)
 
 
@@ -57,7 +63,9 @@ def test_whole_step_graphs_need_a_sharded_root_and_no_graphed_layers():
     blocks_only = TinyLM()
     for block in blocks_only.blocks:
         fsdp_graph.fully_shard(block)
-    with pytest.raises(ValueError, match=r"parameter 'emb.weight' belongs to no FSDP unit.*fully_shard\(model\) on the root"):
+    with pytest.raises(
+        ValueError, match=r"parameter 'emb.weight' belongs to no FSDP unit.*fully_shard\(model\) on the root"
+    ):
         validate_graph_config(GraphConfig(strategy="full_iteration"), blocks_only)
     model = shard(TinyLM())
     model.ln_f.forward, _ = emulated(model.ln_f, (torch.randn(2, 8, 10, requires_grad=True),))
@@ -70,7 +78,9 @@ def test_layer_selection_of_nothing_and_graphs_on_cpu_are_refused():
     with pytest.raises(ValueError, match="selects no module of the model"):
         validate_graph_config(GraphConfig(strategy="layer", modules=nn.Conv1d), model)
     if not torch.cuda.is_available():
-        for config in (GraphConfig(strategy="layer"), GraphConfig(strategy="full_iteration"), GraphConfig(forward_only="model")):
+        for config in (
+            GraphConfig(strategy="layer"), GraphConfig(strategy="full_iteration"), GraphConfig(forward_only="model")
+        ):
             with pytest.raises(RuntimeError, match=r"needs CUDA.*Use GraphConfig\(\)"):
                 validate_graph_config(config, model)
         with pytest.raises(RuntimeError, match="needs CUDA"):
@@ -91,7 +101,9 @@ def test_train_step_refuses_unstacked_micro_batches_and_a_non_scalar_loss():
     model = shard(TinyLM())
     idx, targets = global_batch(0, 1, torch.device("cpu"))
     step = fsdp_graph.make_train_step(lambda i, t: lm_loss(model, i, t), model, grad_accum_steps=3)
-    with pytest.raises(ValueError, match=r"argument 0 has shape \(2, 8\); each argument must stack the 3 micro-batches"):
+    with pytest.raises(
+        ValueError, match=r"argument 0 has shape \(2, 8\); each argument must stack the 3 micro-batches"
+    ):
         step(idx, targets)
     bad = fsdp_graph.make_train_step(lambda i, t: model(i), model)
     with pytest.raises(TypeError, match="loss_fn must return the scalar loss"):
@@ -110,7 +122,8 @@ def _accumulating_step_matches_reference(info) -> None:
                                       grad_accum_steps=accum, max_grad_norm=max_norm)
     for s in range(3):
         micro = [global_batch(s * accum + k, info.world_size, info.device) for k in range(accum)]
-        mine = [(local_part(i, info.rank, info.world_size), local_part(t, info.rank, info.world_size)) for i, t in micro]
+        mine = [(local_part(i, info.rank, info.world_size), local_part(t, info.rank, info.world_size))
+                for i, t in micro]
         loss = step(torch.stack([i for i, _ in mine]), torch.stack([t for _, t in mine]))
         # Reference: the same mean gradient, over every rank's part of every micro-batch.
         ref_loss = sum(lm_loss(ref, i, t) for i, t in micro) / accum
@@ -175,7 +188,9 @@ def test_static_inputs_take_tensors_in_the_captured_layout_only():
     inputs = StaticInputs("make_train_step", (torch.zeros(2, 4),), torch.device("cpu"))
     with pytest.raises(TypeError, match="called with 2 argument"):
         inputs.copy_in((torch.zeros(2, 4), torch.zeros(2, 4)))
-    with pytest.raises(ValueError, match=r"argument 0 is shape \(2, 5\).*captured with shape \(2, 4\).*pad every batch"):
+    with pytest.raises(
+        ValueError, match=r"argument 0 is shape \(2, 5\).*captured with shape \(2, 4\).*pad every batch"
+    ):
         inputs.copy_in((torch.zeros(2, 5),))
     inputs.copy_in((torch.ones(2, 4),))
     assert torch.equal(inputs.tensors[0], torch.ones(2, 4))

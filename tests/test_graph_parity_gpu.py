@@ -51,7 +51,10 @@ def _batch(step: int, info) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (MICRO_BATCH * info.world_size, CFG.seq_len)
     idx = torch.randint(0, CFG.vocab_size, shape, generator=g)
     targets = (idx * 7 + 3) % CFG.vocab_size  # learnable, so the steps visibly train
-    return idx.chunk(info.world_size)[info.rank].to(info.device), targets.chunk(info.world_size)[info.rank].to(info.device)
+    return (
+        idx.chunk(info.world_size)[info.rank].to(info.device),
+        targets.chunk(info.world_size)[info.rank].to(info.device),
+    )
 
 
 def _train(info, selection: str | None, oversized_block: bool, graph_at_step: int = 0):
@@ -64,7 +67,9 @@ def _train(info, selection: str | None, oversized_block: bool, graph_at_step: in
             modules = SELECTIONS[selection](model)
             # A whole unit casts its inputs itself; a module inside one receives bf16 activations.
             dtype = torch.float32 if selection.startswith("blocks") else torch.bfloat16
-            sample = torch.randn(MICRO_BATCH, CFG.seq_len, CFG.d_model, device=info.device, dtype=dtype, requires_grad=True)
+            sample = torch.randn(
+                MICRO_BATCH, CFG.seq_len, CFG.d_model, device=info.device, dtype=dtype, requires_grad=True
+            )
             graphed = fsdp_graph.graph_modules(modules, [(sample,)] * len(modules))
         _, loss = model(*_batch(step, info))
         loss.backward()
@@ -80,7 +85,9 @@ def _eager_and_graphed_agree(info, selection: str, oversized_block: bool, graph_
     eager_losses, eager_state = _train(info, None, oversized_block)
     losses, state = _train(info, selection, oversized_block, graph_at_step)
     differing = [i for i in range(STEPS) if not torch.equal(losses[i], eager_losses[i])]
-    assert not differing, f"losses differ from step {differing[0]}: graphed {losses.tolist()} eager {eager_losses.tolist()}"
+    assert not differing, (
+        f"losses differ from step {differing[0]}: graphed {losses.tolist()} eager {eager_losses.tolist()}"
+    )
     assert eager_losses[-1] < eager_losses[0] - 0.1, f"the model should be learning: {eager_losses.tolist()}"
     assert state.keys() == eager_state.keys()
     for key, value in eager_state.items():

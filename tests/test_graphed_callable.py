@@ -71,7 +71,9 @@ class Scaled(nn.Module):
 
 def emulated(module: nn.Module, args: tuple, kwargs: dict | None = None):
     """Capture ``module`` the way make_graphed_callables does, with emulated graphs."""
-    call = CaptureTarget(module, "Scaled", args, kwargs or {}, {k: {} for k in ("pre_forward", "forward", "pre_backward", "backward")})
+    call = CaptureTarget(
+        module, "Scaled", args, kwargs or {}, {k: {} for k in ("pre_forward", "forward", "pre_backward", "backward")}
+    )
     fwd = forward_pass(call)
     bwd = backward_pass(call, fwd)
     graphs = _EmulatedGraphs(module)
@@ -113,7 +115,9 @@ def _graphed(**kwargs):
 )
 def test_input_that_differs_from_the_sample_is_refused(live, expected):
     _, graphed, graphs = _graphed()
-    with pytest.raises(ValueError, match=r"graphed Scaled: input args\[0\] does not match the captured sample: " + expected):
+    with pytest.raises(
+        ValueError, match=r"graphed Scaled: input args\[0\] does not match the captured sample: " + expected
+    ):
         graphed(live)
     assert graphs.replays["forward"] == 0
 
@@ -134,7 +138,9 @@ def test_forward_twice_before_backward_is_refused_until_the_first_graph_is_gone(
     _, graphed, graphs = _graphed()
     x = torch.randn(2, 3, requires_grad=True)
     out = graphed(x)
-    with pytest.raises(RuntimeError, match="forward called again while the previous forward's backward is still pending"):
+    with pytest.raises(
+        RuntimeError, match="forward called again while the previous forward's backward is still pending"
+    ):
         graphed(x)
     assert graphs.replays["forward"] == 1
     del out  # the first forward's autograd graph is gone: its backward can never come

@@ -122,7 +122,10 @@ def test_capture_time_hooks_run_in_order_around_warmup_and_capture_never_at_repl
         [a, b], [(x,), (x,)], num_warmup_iters=2, capture_time_hooks=[hooks("A"), hooks("B")],
         pre_warmup_hook=lambda: log.append("pre_warmup"), post_warmup_hook=lambda: log.append("post_warmup"),
     )
-    one_pass = ["pre_forwardA", "forwardA", "pre_forwardB", "forwardB", "pre_backwardB", "backwardB", "pre_backwardA", "backwardA"]
+    one_pass = [
+        "pre_forwardA", "forwardA", "pre_forwardB", "forwardB",
+        "pre_backwardB", "backwardB", "pre_backwardA", "backwardA",
+    ]
     assert log == ["pre_warmup", *one_pass, *one_pass, "post_warmup", *one_pass]  # 2 warm-ups, then the capture
     log.clear()
     for _ in range(3):

@@ -86,7 +86,10 @@ def test_wrapper_hooks_carry_sentinels_naming_callable_handlers():
     assert post == [post_forward_reshard, install_pre_backward]
     assert install_pre_backward._cuda_graph_backward_pre_handler is fsdp_graph.pre_backward_handler
     assert install_post_backward._cuda_graph_backward_handler is fsdp_graph.post_backward_handler
-    plain = [h for h in pre + post if not hasattr(h, fsdp_graph.BACKWARD_PRE_SENTINEL) and not hasattr(h, fsdp_graph.BACKWARD_SENTINEL)]
+    plain = [
+        h for h in pre + post
+        if not hasattr(h, fsdp_graph.BACKWARD_PRE_SENTINEL) and not hasattr(h, fsdp_graph.BACKWARD_SENTINEL)
+    ]
     assert plain == [pre_forward_unshard, cast_forward_inputs, post_forward_reshard]
     assert all(block._forward_pre_hooks_with_kwargs.get(i) for i in block._forward_pre_hooks)
 

@@ -96,7 +96,9 @@ class SlotPool:
     def assign(self) -> FlatBuffers:
         """The slot for the next unit in execution order (allocated on first use)."""
         if not self.slots:
-            self.slots = [FlatBuffers.allocate(self.numel, self.shard_numel, self.dtypes, self.device) for _ in range(2)]
+            self.slots = [
+                FlatBuffers.allocate(self.numel, self.shard_numel, self.dtypes, self.device) for _ in range(2)
+            ]
         slot = self.slots[self._next]
         self._next ^= 1
         return slot

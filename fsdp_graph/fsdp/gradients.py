@@ -92,7 +92,9 @@ class UnitGradients:
     def _accumulation_buffer(self) -> GradBuffer:
         if self._accum is None:
             with torch.inference_mode(False):
-                tensor = torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.sharded_flat.device)
+                tensor = torch.zeros(
+                    self.layout.padded_numel, dtype=self.compute_dtype, device=self.sharded_flat.device
+                )
             self._accum = GradBuffer(tensor)
             self._accum_views = self.layout.param_views(tensor)
         return self._accum

@@ -51,7 +51,9 @@ def normalize_capture_time_hooks(hooks, count: int) -> list[dict[str, dict]]:
         return [{key: {} for key in HOOK_KEYS} for _ in range(count)]
     hooks = list(hooks)
     if len(hooks) != count:
-        raise ValueError(f"capture_time_hooks has {len(hooks)} entries for {count} callables; pass one (or None) per callable")
+        raise ValueError(
+            f"capture_time_hooks has {len(hooks)} entries for {count} callables; pass one (or None) per callable"
+        )
     normalized = []
     for i, entry in enumerate(hooks):
         entry = entry or {}
@@ -99,7 +101,9 @@ class CaptureTarget:
             result = fn(self.fn, args, kwargs)
             if result is not None:
                 if not (isinstance(result, tuple) and len(result) == 2):
-                    raise TypeError(f"a capture-time pre_forward hook of {self.name} must return None or (args, kwargs)")
+                    raise TypeError(
+                        f"a capture-time pre_forward hook of {self.name} must return None or (args, kwargs)"
+                    )
                 args, kwargs = result
         return tuple(args), dict(kwargs)
 
@@ -293,13 +297,20 @@ def _check_arguments(modules: list, sample_args, sample_kwargs, num_warmup_iters
         raise ValueError("make_graphed_callables: a callable appears twice; capture each one once")
     sample_args = list(sample_args)
     if len(sample_args) != len(modules):
-        raise ValueError(f"sample_args has {len(sample_args)} entries for {len(modules)} callables; pass one tuple per callable")
+        raise ValueError(
+            f"sample_args has {len(sample_args)} entries for {len(modules)} callables; pass one tuple per callable"
+        )
     for i, args in enumerate(sample_args):
         if not isinstance(args, (tuple, list)):
-            raise TypeError(f"sample_args[{i}] must be a tuple of positional arguments, e.g. (x,), not {type(args).__name__}")
+            raise TypeError(
+                f"sample_args[{i}] must be a tuple of positional arguments, e.g. (x,), not {type(args).__name__}"
+            )
     sample_kwargs = [None] * len(modules) if sample_kwargs is None else list(sample_kwargs)
     if len(sample_kwargs) != len(modules):
-        raise ValueError(f"sample_kwargs has {len(sample_kwargs)} entries for {len(modules)} callables; pass one dict (or None) per callable")
+        raise ValueError(
+            f"sample_kwargs has {len(sample_kwargs)} entries for {len(modules)} callables; "
+            "pass one dict (or None) per callable"
+        )
     if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
         raise ValueError(
             f"num_warmup_iters must be an int >= 1, got {num_warmup_iters!r}: lazy CUDA state (cuBLAS "
@@ -362,7 +373,10 @@ def capture_callables(
     ``forward_only``: capture forward graphs only, under ``torch.no_grad()`` (evaluation)."""
     sample_args, sample_kwargs = _check_arguments(modules, sample_args, sample_kwargs, num_warmup_iters)
     hooks = normalize_capture_time_hooks(capture_time_hooks, len(modules))
-    calls = [CaptureTarget(fn, name, a, k, h) for fn, name, a, k, h in zip(modules, names, sample_args, sample_kwargs, hooks)]
+    calls = [
+        CaptureTarget(fn, name, a, k, h)
+        for fn, name, a, k, h in zip(modules, names, sample_args, sample_kwargs, hooks)
+    ]
     require_cuda("make_graphed_callables")
     _check_devices(calls)
 

@@ -56,7 +56,9 @@ def select_modules(model: nn.Module, selection: Selection) -> list[nn.Module]:
         return [m for m in model.modules() if isinstance(m, selection)]
     if callable(selection):
         return [m for name, m in model.named_modules() if selection(name, m)]
-    raise TypeError(f"selection must be a module class, a tuple of classes or a predicate (name, module) -> bool, not {selection!r}")
+    raise TypeError(
+        f"selection must be a module class, a tuple of classes or a predicate (name, module) -> bool, not {selection!r}"
+    )
 
 
 def _describe(module: nn.Module, index: int) -> str:

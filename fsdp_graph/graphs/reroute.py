@@ -79,7 +79,10 @@ class ModuleHooks:
         s = self.saved
         out: dict[str, dict] = {key: {} for key in HOOK_KEYS}
         for hook_id, hook in s["_forward_pre_hooks"].items():
-            self._place(out, "pre_forward", hook_id, hook, self._pre_forward(hook, hook_id in s["_forward_pre_hooks_with_kwargs"]))
+            self._place(
+                out, "pre_forward", hook_id, hook,
+                self._pre_forward(hook, hook_id in s["_forward_pre_hooks_with_kwargs"]),
+            )
         for hook_id, hook in s["_forward_hooks"].items():
             self._place(out, "forward", hook_id, hook, self._forward(hook, hook_id in s["_forward_hooks_with_kwargs"]))
         for hook_id, hook in s["_backward_pre_hooks"].items():

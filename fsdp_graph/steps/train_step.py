@@ -183,7 +183,9 @@ class GraphedTrainStep:
 
     def _check_learning_rates(self) -> None:
         optimizer = self.body.optimizer
-        if optimizer is not None and [id(g) for g in optimizer.param_groups] != [id(g) for g, _ in self._learning_rates]:
+        if optimizer is not None and (
+            [id(g) for g in optimizer.param_groups] != [id(g) for g, _ in self._learning_rates]
+        ):
             raise RuntimeError(
                 "make_train_step: the optimizer's param groups were replaced (optimizer.load_state_dict or "
                 "add_param_group); the graph holds the old groups and state. Load state before building "
