@@ -134,3 +134,55 @@ def test_units_needing_the_same_slot_at_once(double_buffer):
             model(torch.randn(2, 4))
     else:
         model(torch.randn(2, 4)).sum().backward()  # the fix the message names
+
+
+def test_load_full_state_dict_mid_forward_is_refused_also_for_a_submodule():
+    """Mid-forward a unit's modules hold its unsharded parameters: a load would write into the
+    gathered copy and leave the masters unchanged, with no error. Refused, also when called on a
+    module inside the unit (which has no unit of its own)."""
+    model, _ = build(CPU)
+    shard(model)
+    idx, targets = global_batch(0, 1, CPU)
+    zeros = {k: torch.zeros_like(v) for k, v in fsdp_graph.full_state_dict(model.blocks[1]).items()}
+    before = fsdp_graph.full_state_dict(model.blocks[1])
+    for target in (model.blocks[1], model.blocks[1].fc):
+        fc_part = {k[len("fc."):]: v for k, v in zeros.items() if k.startswith("fc.")}
+        part = zeros if target is model.blocks[1] else fc_part
+        handle = model.blocks[1].register_forward_pre_hook(
+            lambda m, a, target=target, part=part: fsdp_graph.load_full_state_dict(target, part))
+        with pytest.raises(fsdp_graph.TransitionError, match=r"load_full_state_dict needs the unit idle.*forward"):
+            lm_loss(model, idx, targets)
+        handle.remove()
+    after = fsdp_graph.full_state_dict(model.blocks[1])
+    assert all(torch.equal(after[k], before[k]) for k in before), "nothing was loaded"
+
+
+def test_full_state_dict_of_a_module_inside_a_unit_is_full():
+    """A module inside a unit holds 1-D master pieces; its full state dict gathers them."""
+    model, ref = build(CPU)
+    shard(model)
+    full = fsdp_graph.full_state_dict(model.blocks[0].fc)
+    expected = ref.blocks[0].fc.state_dict()
+    assert {k: tuple(v.shape) for k, v in full.items()} == {k: tuple(v.shape) for k, v in expected.items()}
+    for key, value in expected.items():
+        assert torch.equal(full[key], value), key
+
+
+def test_unit_steps_called_directly_before_lazy_init_name_the_entry_points():
+    model, _ = build(CPU)
+    shard(model)
+    with pytest.raises(RuntimeError, match=r"steps run through its root.*pre_forward_unshard"):
+        model.blocks[0].fsdp_unit.pre_forward()
+
+
+def test_moving_a_tie_out_of_a_unit_mid_step_is_refused():
+    """fully_shard on an ancestor rebuilds a unit that holds a tied parameter; that needs the unit
+    idle (an exception in backward can leave it mid-step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight = model[0].weight  # tied across the two units-to-be
+    fsdp_graph.fully_shard(model[0])
+    fsdp_graph.fully_shard(model[1])
+    fsdp_graph.pre_backward_handler(model[0])  # as if a backward stopped half-way
+    with pytest.raises(fsdp_graph.TransitionError, match=r"fully_shard\(Sequential\), which moves a tied parameter"):
+        fsdp_graph.fully_shard(model)

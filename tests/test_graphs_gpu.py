@@ -186,6 +186,17 @@ def test_sharding_a_graphed_module_is_refused():
         fsdp_graph.fully_shard(mlp)
 
 
+def test_sharding_a_module_captured_with_make_graphed_callables_is_refused():
+    """The low-level capture pins what it captured too, installed as forward or not: its graphs
+    read the parameters' current addresses, which fully_shard would replace."""
+    fsdp_graph.init_distributed()
+    model = nn.Sequential(MLP(), MLP()).to(DEVICE)
+    sample = (torch.randn(4, 64, device=DEVICE, requires_grad=True),)
+    model[0].forward = fsdp_graph.make_graphed_callables(model[0], sample)
+    with pytest.raises(ValueError, match=r"'0' \(MLP\) is already graphed \(make_graphed_callables\)"):
+        fsdp_graph.fully_shard(model)
+
+
 def test_sample_inputs_must_be_on_the_gpu():
     with pytest.raises(ValueError, match=r"sample input args\[0\] is on cpu; CUDA graphs need CUDA tensors"):
         fsdp_graph.make_graphed_callables(MLP().to(DEVICE), (torch.randn(4, 64),))

@@ -13,7 +13,7 @@ import fsdp_graph
 from fsdp_graph.fsdp.registry import units_in
 
 from dist_harness import run_ranks
-from models import assert_full_state_matches, build, global_batch, sgd_pair, shard, train_beside_reference
+from models import assert_full_state_matches, build, global_batch, lm_loss, sgd_pair, shard, train_beside_reference
 
 CPU = torch.device("cpu")
 
@@ -111,3 +111,56 @@ def test_submodule_shared_by_two_units_is_refused():
     fsdp_graph.fully_shard(model[0])
     with pytest.raises(ValueError, match=r"submodule '0' is shared with unit .*common ancestor"):
         fsdp_graph.fully_shard(model[1])
+
+
+def test_forward_without_backward_leaves_no_stale_post_backward_trigger():
+    """A forward whose unit inputs need no gradient (frozen embedding) arms post-backward from the
+    parameters' gradients; without a backward, the next step (embedding trainable again) must not
+    run post-backward twice."""
+    model, ref = build(CPU)
+    shard(model)
+    opt, ref_opt = sgd_pair(model, ref)
+    idx, targets = global_batch(0, 1, CPU)
+    model.emb.weight.requires_grad_(False)
+    model(idx)  # grad enabled, no backward
+    model.emb.weight.requires_grad_(True)
+    train_beside_reference(model, ref, optimizers=(opt, ref_opt))
+
+
+def test_failed_parent_fully_shard_leaves_rebuilt_units_training():
+    """fully_shard(parent) rebuilds a unit holding a tie, then fails on its own parameters: the
+    rebuilt unit still trains (as its own root), and the error names the fix."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float64))
+    model[1].weight = model[0].weight
+    fsdp_graph.fully_shard(model[0])
+    fsdp_graph.fully_shard(model[1])
+    with pytest.raises(TypeError, match="mixed dtypes"):
+        fsdp_graph.fully_shard(model)
+    x = torch.randn(2, 4)
+    model[1](model[0](x)).sum().backward()  # the rebuilt units train
+    assert model[0].fsdp_unit.name == "<root> (Linear)", model[0].fsdp_unit.name  # its own class, not FSDPLinear
+    assert all(p.grad is not None for p in model[0].parameters())
+
+
+def test_lazy_init_that_failed_is_tried_again(monkeypatch):
+    """An out-of-memory error while binding buffers at the first step must not leave the root
+    half-initialised forever: the next step initialises again."""
+    from fsdp_graph.fsdp.unit import FSDPUnit
+
+    model, ref = build(CPU)
+    shard(model)
+    original = FSDPUnit.bind
+    calls = {"n": 0}
+
+    def bind_fails_once(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return original(self, *args)
+
+    monkeypatch.setattr(FSDPUnit, "bind", bind_fails_once)
+    idx, targets = global_batch(0, 1, CPU)
+    with pytest.raises(torch.OutOfMemoryError):
+        lm_loss(model, idx, targets)
+    train_beside_reference(model, ref)

@@ -61,6 +61,12 @@ class FSDPModule:
 _fsdp_classes: dict[type, type] = {}
 
 
+def _original_class(module: nn.Module) -> type:
+    """The module's own class, also after ``_swap_class`` (a unit rebuilt when a tie moves up)."""
+    cls = type(module)
+    return cls.__bases__[1] if issubclass(cls, FSDPModule) else cls
+
+
 def _swap_class(module: nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, FSDPModule):
@@ -131,7 +137,7 @@ def _build_unit(
         prefix = next((name for name, m in module.named_modules() if m is places[0][0]), "")
         name = f"{prefix}.{places[0][1]}" if prefix else places[0][1]
         owned.append((name, param, [(m, attr) for m, attr, _ in places]))
-    unit = FSDPUnit(module, owned, config, group, device)
+    unit = FSDPUnit(module, owned, config, group, device, class_name=_original_class(module).__name__)
     module.__dict__[UNIT_ATTR] = unit
     module.__dict__[_HOOKS_ATTR] = register_unit_hooks(module)
     _swap_class(module)
@@ -241,11 +247,15 @@ def fully_shard(
         if unit is not None and unit in inner and unit not in crossing:
             crossing.append(unit)
     for unit in crossing:
+        unit.require_idle(f"fully_shard({type(module).__name__}), which moves a tied parameter out of it,")
+    for unit in crossing:
         _dissolve(unit, refs)
     if crossing:
         refs = _param_refs(module)
         for unit in sorted(crossing, key=lambda u: -_depth(u.module, module)):
-            _build_unit(unit.module, refs, unit.config, unit.group, unit.device)
+            # Innermost first; each rebuilt unit is linked at once, so it has a live root even if
+            # building the enclosing unit below fails.
+            _link(_build_unit(unit.module, refs, unit.config, unit.group, unit.device))
             refs = _param_refs(module)
 
     unit = _build_unit(module, refs, config, group, device)

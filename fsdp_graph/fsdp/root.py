@@ -42,11 +42,12 @@ class RootContext:
         """Plan placements and bind every unit (once; idempotent)."""
         if self.streams is not None:
             return
-        self.streams = CommStreams(self.root.device)
+        streams = CommStreams(self.root.device)
         with_inner = {id(u.parent) for u in self.units if u.parent is not None}
         requests = [u.placement_request(id(u) in with_inner) for u in self.units]
         for unit, (placement, pool) in zip(self.units, plan_placements(requests)):
-            unit.bind(placement, pool, self.streams, self.order)
+            unit.bind(placement, pool, streams, self.order)
+        self.streams = streams  # only now: a failed init (out of memory, say) is tried again next step
 
     # -- hook entry points ----------------------------------------------------------------
     def pre_forward(self, unit: FSDPUnit) -> None:

@@ -13,19 +13,31 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
-from .registry import units_in
+from .registry import enclosing_unit, units_in
 
 
-def _masters(model: nn.Module) -> dict[int, tuple]:
+def _units(model: nn.Module) -> list:
+    """The units whose masters ``model``'s state dict may hold: those inside it and, for a module
+    inside a unit, the enclosing one."""
+    units = units_in(model)
+    enclosing = enclosing_unit(model)
+    if enclosing is not None and enclosing not in units:
+        units.insert(0, enclosing)
+    return units
+
+
+def _masters(units: list) -> dict[int, tuple]:
     """id(master parameter) -> (unit, index in the unit)."""
-    return {id(p.master): (unit, i) for unit in units_in(model) for i, p in enumerate(unit.params)}
+    return {id(p.master): (unit, i) for unit in units for i, p in enumerate(unit.params)}
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """{original name: full tensor} on every rank."""
+    units = _units(model)
+    for unit in units:
+        unit.require_idle("full_state_dict")
     full: dict[int, torch.Tensor] = {}
-    for unit in units_in(model):
-        unit.require_idle("gathering full parameters")
+    for unit in units:
         for param, value in zip(unit.params, unit.param_group.full_params()):
             full[id(param.master)] = value
     return {
@@ -36,6 +48,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Load a full state dict (from ``full_state_dict`` or the unsharded model) into the shards."""
+    # Mid-step, a unit's modules hold its unsharded parameters, not the masters: a load would
+    # write into the gathered copy and leave the masters as they were.
+    units = _units(model)
+    for unit in units:
+        unit.require_idle("load_full_state_dict")
     current = model.state_dict(keep_vars=True)
     missing = sorted(current.keys() - state_dict.keys())
     unexpected = sorted(state_dict.keys() - current.keys())
@@ -47,12 +64,11 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
             "Pass a dict from full_state_dict() or from the unsharded model's state_dict() "
             "for the same architecture."
         )
-    masters = _masters(model)
+    masters = _masters(units)
     for key, target in current.items():
         value = state_dict[key]
         if id(target) in masters:
             unit, index = masters[id(target)]
-            unit.require_idle("loading a state dict")
             unit.param_group.load_full_param(index, value.to(target.device), key)
             continue
         if tuple(value.shape) != tuple(target.shape):

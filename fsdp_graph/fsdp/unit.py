@@ -9,7 +9,9 @@ drive the steps by hand. The forward and backward steps also prefetch the neighb
 root's recorded execution order names (``order.py``).
 
 Buffers, streams and the execution order are given to the unit by its root at lazy init
-(``bind``); the unit never reaches up to the root.
+(``bind``); the unit never reaches up to the root. The entry points are therefore the module's
+hooks and the sentinel handlers (``hooks.py``), which go through the root (lazy init, iteration
+boundaries); a step called on the unit before its root's lazy init says so.
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ def _dtypes(name: str, params: list[tuple[str, nn.Parameter, list]], policy: Mix
 
 class FSDPUnit:
     def __init__(self, module: nn.Module, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
-                 config: UnitConfig, group: dist.ProcessGroup | None, device: torch.device) -> None:
+                 config: UnitConfig, group: dist.ProcessGroup | None, device: torch.device,
+                 class_name: str | None = None) -> None:
         self.module = module
-        self.class_name = type(module).__name__
+        self.class_name = class_name or type(module).__name__
         self.config = config
         self.group = group
         self.device = device
@@ -126,6 +129,15 @@ class FSDPUnit:
     def take_slot(self) -> None:
         self.param_group.take_slot()
 
+    def _require_bound(self, step: str) -> None:
+        if self._order is None:
+            raise RuntimeError(
+                f"FSDP unit {self.name}: {step} called on the unit directly before its root's lazy init. A unit's "
+                "steps run through its root: call the module (module(...)), or the hook functions and handlers "
+                "(fsdp_graph.fsdp.hooks.pre_forward_unshard(module, args, kwargs), "
+                "fsdp_graph.pre_backward_handler(module), ...), as a graph wrapper does."
+            )
+
     # -- the four steps ---------------------------------------------------------------------
     def pre_forward(self) -> bool:
         """Unshard (unless prefetched) and prefetch the next unit; False for an activation-
@@ -133,6 +145,8 @@ class FSDPUnit:
         if self.state is TrainingState.BACKWARD:
             return False
         check_transition(self.name, "pre_forward", self.state, (TrainingState.IDLE,))
+        self._require_bound("pre_forward")
+        self._post_backward_from_params = False  # set again by this forward's hooks if it applies
         self._order.record_forward(self)
         group = self.param_group
         if group.state is not ShardState.PREFETCHED:
@@ -161,6 +175,7 @@ class FSDPUnit:
         if self.state is TrainingState.BACKWARD:
             return False  # several outputs each fire the hook; the first one does the work
         check_transition(self.name, "pre_backward", self.state, (TrainingState.IDLE,))
+        self._require_bound("pre_backward")
         self._order.record_backward(self)
         group = self.param_group
         if group.state not in HOLDS_DATA:

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
+from ..fsdp.capture_interface import pin_addresses
 from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .host_sync import no_host_sync
 
@@ -407,6 +408,9 @@ def capture_callables(
             if not forward_only:
                 backwards[i] = backward_pass(calls[i], passes[i], calls[i].bwd_graph, pool, stream)
     torch.cuda.current_stream().wait_stream(stream)
+    for call in calls:
+        if call.module is not None:  # its graphs hold its parameters' addresses from now on
+            pin_addresses(call.module, "make_graphed_callables")
     group = CaptureGroup()
     return [
         GraphedCallable(captured_call(call, fwd, bwd, not forward_only), eager=e, module=call.module, group=group)
