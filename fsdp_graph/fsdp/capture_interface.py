@@ -29,7 +29,7 @@ from .hooks import (
     pre_backward_handler,
     pre_forward_unshard,
 )
-from .registry import enclosing_unit, is_unit, leaf_units, pin_addresses, root_contexts, units_in
+from .registry import enclosing_unit, leaf_units, pin_addresses, root_contexts, units_in
 from .root import RootContext
 from .sharded_param import master_owner
 from .training_state import TrainingState
@@ -42,7 +42,6 @@ __all__ = [
     "RootContext",
     "TrainingState",
     "enclosing_unit",
-    "is_unit",
     "leaf_units",
     "master_owner",
     "pin_addresses",

@@ -25,10 +25,6 @@ def unit_of(module: nn.Module) -> FSDPUnit:
     return module.__dict__[UNIT_ATTR]
 
 
-def is_unit(module: nn.Module) -> bool:
-    return UNIT_ATTR in module.__dict__
-
-
 def enclosing_unit(module: nn.Module) -> FSDPUnit | None:
     """The innermost unit whose subtree holds ``module`` (its own unit, if it is one)."""
     return module.__dict__.get(ENCLOSING_ATTR)
