@@ -38,3 +38,13 @@ def test_benchmark_smoke_run_writes_records_table_and_chart(tmp_path):
     assert "| smoke | fsdp2_eager |" in table and "| smoke | ours_eager |" in table
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "step_time.png").stat().st_size > 1000
+
+
+def test_host_call_counter_counts_the_hot_path():
+    """The deterministic host-cost measure: every unit step shows up, the same count every time."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from host_calls import count_calls
+
+    first, second = count_calls(steps=2), count_calls(steps=2)
+    assert first["fsdp_graph"] == second["fsdp_graph"] > 0 and first["all"] > first["fsdp_graph"]
+    assert first["fsdp/unit.py:pre_forward"] == 13 and first["fsdp/unit.py:post_backward"] == 13  # 12 blocks + root

@@ -129,14 +129,13 @@ class FSDPUnit:
     def take_slot(self) -> None:
         self.param_group.take_slot()
 
-    def _require_bound(self, step: str) -> None:
-        if self._order is None:
-            raise RuntimeError(
-                f"FSDP unit {self.name}: {step} called on the unit directly before its root's lazy init. A unit's "
-                "steps run through its root: call the module (module(...)), or the hook functions and handlers "
-                "(fsdp_graph.fsdp.hooks.pre_forward_unshard(module, args, kwargs), "
-                "fsdp_graph.pre_backward_handler(module), ...), as a graph wrapper does."
-            )
+    def _refuse_unbound(self, step: str) -> None:
+        raise RuntimeError(
+            f"FSDP unit {self.name}: {step} called on the unit directly before its root's lazy init. A unit's "
+            "steps run through its root: call the module (module(...)), or the hook functions and handlers "
+            "(fsdp_graph.fsdp.hooks.pre_forward_unshard(module, args, kwargs), "
+            "fsdp_graph.pre_backward_handler(module), ...), as a graph wrapper does."
+        )
 
     # -- the four steps ---------------------------------------------------------------------
     def pre_forward(self) -> bool:
@@ -145,7 +144,8 @@ class FSDPUnit:
         if self.state is TrainingState.BACKWARD:
             return False
         check_transition(self.name, "pre_forward", self.state, (TrainingState.IDLE,))
-        self._require_bound("pre_forward")
+        if self._order is None:
+            self._refuse_unbound("pre_forward")
         self._post_backward_from_params = False  # set again by this forward's hooks if it applies
         self._order.record_forward(self)
         group = self.param_group
@@ -175,7 +175,8 @@ class FSDPUnit:
         if self.state is TrainingState.BACKWARD:
             return False  # several outputs each fire the hook; the first one does the work
         check_transition(self.name, "pre_backward", self.state, (TrainingState.IDLE,))
-        self._require_bound("pre_backward")
+        if self._order is None:
+            self._refuse_unbound("pre_backward")
         self._order.record_backward(self)
         group = self.param_group
         if group.state not in HOLDS_DATA:
