@@ -4,7 +4,9 @@ The public API (README.md has the full picture; docs/architecture.md the design)
 
 - ``init_distributed()``: the process group from torchrun / accelerate / plain python.
 - ``fully_shard(module, ...)``: FSDP2-style, bottom-up; persistent double-buffered parameters.
-  ``MixedPrecision``: compute and reduce dtypes. ``FSDPModule``: ``no_sync()``,
+  ``MixedPrecisionPolicy`` (alias ``MixedPrecision``): compute, reduce and output dtypes.
+  FSDP2's options (``mesh``, ``reshard_after_forward``, a list of modules, ...) by the same
+  names (``fsdp/fsdp_options.py``). ``FSDPModule``: ``no_sync()``,
   ``set_requires_gradient_sync()`` on every sharded module.
 - ``full_state_dict`` / ``load_full_state_dict``: unsharded checkpoints. ``clip_grad_norm_``:
   the global gradient norm.
@@ -23,7 +25,7 @@ from .fsdp.clip_grad import clip_grad_norm_
 from .fsdp.distributed import DistInfo, init_distributed
 from .fsdp.fully_shard import FSDPModule, fully_shard
 from .fsdp.hooks import BACKWARD_PRE_SENTINEL, BACKWARD_SENTINEL, post_backward_handler, pre_backward_handler
-from .fsdp.mixed_precision import MixedPrecision
+from .fsdp.mixed_precision import MixedPrecision, MixedPrecisionPolicy
 from .fsdp.state_dict import full_state_dict, load_full_state_dict
 from .fsdp.training_state import TransitionError
 from .graphs.capture import make_graphed_callables
@@ -40,6 +42,7 @@ __all__ = [
     "GraphConfig",
     "HostSyncError",
     "MixedPrecision",
+    "MixedPrecisionPolicy",
     "TransitionError",
     "clip_grad_norm_",
     "full_state_dict",

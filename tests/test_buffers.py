@@ -140,3 +140,31 @@ def test_placement_plan_is_a_pure_function_of_the_requests():
     pools = [pool for _, pool in plan]
     assert pools[1] is pools[2] is pools[3] is pools[4] and pools[1].numel == 256 and pools[1].shard_numel == 128
     assert pools[8] is not pools[1] and pools[8].numel == 64
+
+
+@pytest.mark.parametrize("double_buffer", [True, False])
+def test_reshard_after_forward_false_gathers_once_per_step(monkeypatch, double_buffer):
+    """FSDP2's reshard_after_forward=False: the unit stays gathered from forward to backward, so a
+    step all-gathers it once. With True, units whose slot was reused in forward (and every dynamic
+    unit, freed at reshard) gather again in backward."""
+    import fsdp_graph.fsdp.param_group as param_group
+
+    def gathers_per_step(reshard_after_forward: bool) -> int:
+        model, _ = build(torch.device("cpu"))
+        shard(model, double_buffer=double_buffer, reshard_after_forward=reshard_after_forward)
+        calls = []
+        original = param_group.all_gather_inplace
+        monkeypatch.setattr(param_group, "all_gather_inplace", lambda *a: calls.append(1) or original(*a))
+        info = type("Info", (), {"world_size": 1, "rank": 0, "device": torch.device("cpu")})
+        for step in range(2):
+            calls.clear()
+            local_loss(model, step, info).backward()
+        monkeypatch.setattr(param_group, "all_gather_inplace", original)
+        if not reshard_after_forward:
+            expected = Placement.DEDICATED if double_buffer else Placement.DYNAMIC
+            assert {u.placement for u in units_in(model)} == {expected}
+        return len(calls)
+
+    units = 4  # the root and three blocks
+    assert gathers_per_step(False) == units
+    assert gathers_per_step(True) == (units + 1 if double_buffer else 2 * units)

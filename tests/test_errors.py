@@ -29,7 +29,8 @@ def test_sharding_twice_is_refused():
 
 def test_mixed_dtypes_need_a_param_dtype():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float64))
-    with pytest.raises(TypeError, match=r"mixed dtypes.*'0.weight' is torch.float32.*MixedPrecision\(param_dtype="):
+    expected = r"mixed dtypes.*'0.weight' is torch.float32.*MixedPrecisionPolicy\(param_dtype="
+    with pytest.raises(TypeError, match=expected):
         fsdp_graph.fully_shard(model)
     ok = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float64))
     fsdp_graph.fully_shard(ok, mp_policy=fsdp_graph.MixedPrecision(param_dtype=torch.float32))
@@ -186,3 +187,25 @@ def test_moving_a_tie_out_of_a_unit_mid_step_is_refused():
     fsdp_graph.pre_backward_handler(model[0])  # as if a backward stopped half-way
     with pytest.raises(fsdp_graph.TransitionError, match=r"fully_shard\(Sequential\), which moves a tied parameter"):
         fsdp_graph.fully_shard(model)
+
+
+def test_a_collective_one_rank_never_joins_fails_after_the_timeout(tmp_path):
+    """init_distributed(timeout=...): the hang becomes an error within seconds."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "rank_skips_collective.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    out = result.stdout + result.stderr
+    assert "RAISED after" in out, out[-3000:]
+    seconds = float(out.split("RAISED after ")[1].split("s:")[0])
+    assert seconds < 30, out[-2000:]
+
+
+def test_init_distributed_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        fsdp_graph.init_distributed(timeout=0)

@@ -8,8 +8,9 @@ the same address in every iteration. Three placements, decided once per root at 
   forward's execution order). The slot size is the most common leaf-unit size (the repeated
   layer), so one oversized layer does not double the memory of both slots.
 * ``dedicated``: a unit that cannot share a slot gets its own persistent buffer
-  (``persist_buffer_on_alloc_fail=True``): a unit larger than the slot, or a unit that contains
-  other units (the root stays unsharded while its children run, so it would pin a slot).
+  (``persist_buffer_on_alloc_fail=True``): a unit larger than the slot, a unit that contains
+  other units (the root stays unsharded while its children run, so it would pin a slot), or a
+  unit sharded with ``reshard_after_forward=False`` (it stays gathered until its backward).
 * ``dynamic``: a fresh allocation at every unshard, dropped at reshard, as in FSDP2. Used for
   ``double_buffer=False``, and for units that do not fit when
   ``persist_buffer_on_alloc_fail=False``. Addresses move between iterations, so such units cannot
@@ -116,6 +117,7 @@ class PlacementRequest:
     double_buffer: bool
     persist_buffer_on_alloc_fail: bool
     has_inner_units: bool
+    reshard_after_forward: bool = True  # False: kept gathered until backward, so no slot to share
 
     @property
     def pool_key(self) -> tuple:
@@ -126,7 +128,7 @@ def plan_placements(requests: list[PlacementRequest]) -> list[tuple[Placement, S
     """Every unit's placement under one root, in the order of ``requests`` (see the module docstring)."""
 
     def slot_candidate(r: PlacementRequest) -> bool:
-        return r.double_buffer and not r.has_inner_units and r.numel > 0
+        return r.double_buffer and r.reshard_after_forward and not r.has_inner_units and r.numel > 0
 
     sizes: dict[tuple, Counter] = {}
     for r in requests:

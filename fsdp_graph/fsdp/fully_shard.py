@@ -20,8 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .distributed import resolve_group
+from .fsdp_options import Options, list_of_modules, resolve_options
 from .hooks import register_unit_hooks
-from .mixed_precision import MixedPrecision
+from .mixed_precision import MixedPrecisionPolicy
 from .registry import ENCLOSING_ATTR, ROOT_ATTR, UNIT_ATTR, pinned_by, unit_of, units_in
 from .root import RootContext
 from .sharded_param import master_owner, replaced_by
@@ -134,6 +135,8 @@ def _build_unit(
             )
         if owner is not None or replaced_by(param) or not all(id(m) in inside for m, _, _ in places):
             continue
+        if id(param) in config.ignored:
+            continue
         prefix = next((name for name, m in module.named_modules() if m is places[0][0]), "")
         name = f"{prefix}.{places[0][1]}" if prefix else places[0][1]
         owned.append((name, param, [(m, attr) for m, attr, _ in places]))
@@ -202,27 +205,40 @@ def _refuse_if_pinned(module: nn.Module) -> None:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
-    mp_policy: MixedPrecision | None = None,
+    mesh=None,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn=None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy=None,
+    ignored_params: set[nn.Parameter] | None = None,
     double_buffer: bool = True,
     persist_buffer_on_alloc_fail: bool = True,
     process_group: dist.ProcessGroup | None = None,
-) -> nn.Module:
-    """Shard ``module``'s parameters (those not owned by an inner unit) across ``process_group``.
+):
+    """Shard ``module``'s parameters (those not owned by an inner unit) across the data-parallel
+    ranks, in place; returns ``module``. FSDP2's signature (``fsdp_options.py`` says how each of
+    its options maps here), plus this package's own:
 
     ``double_buffer``: unsharded parameters/gradients of leaf units alternate between two
     persistent slots, so their addresses never change (required for CUDA graphs).
     ``persist_buffer_on_alloc_fail``: a unit that cannot use a slot (too large, or it contains
     other units) gets its own persistent buffer instead of a fresh allocation per unshard
     (required for CUDA graphs too). With ``double_buffer=False`` every unshard allocates, as in
-    FSDP2. Returns ``module``, modified in place.
+    FSDP2. ``process_group``: the group to shard over (the alternative to a 1-D ``mesh``).
     """
+    options = resolve_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
+                              ignored_params, process_group)
+    if isinstance(module, (list, tuple)):
+        modules = list_of_modules(module)
+        return [_shard_one(m, options, double_buffer, persist_buffer_on_alloc_fail) for m in modules]
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    mp_policy = MixedPrecision() if mp_policy is None else mp_policy
-    if not isinstance(mp_policy, MixedPrecision):
-        raise TypeError(f"mp_policy must be fsdp_graph.MixedPrecision, got {type(mp_policy).__name__}")
+        raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(module).__name__}")
+    return _shard_one(module, options, double_buffer, persist_buffer_on_alloc_fail)
+
+
+def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist_buffer_on_alloc_fail: bool):
     enclosing = module.__dict__.get(ENCLOSING_ATTR)
     if enclosing is not None:
         if enclosing.module is module:
@@ -233,10 +249,11 @@ def fully_shard(
             "transformer block) first, then the root."
         )
     _refuse_if_pinned(module)
-    group = resolve_group(process_group)
+    group = resolve_group(options.process_group)
     device = _choose_device(module, group)
     _move_buffers(module, device)
-    config = UnitConfig(mp_policy, double_buffer, persist_buffer_on_alloc_fail)
+    config = UnitConfig(options.mp_policy, double_buffer, persist_buffer_on_alloc_fail,
+                        options.reshard_after_forward, options.ignored)
 
     # Parameters tied across an inner unit's boundary move up: rebuild that unit without them.
     refs = _param_refs(module)

@@ -7,7 +7,7 @@ hook                           kind            does
 =============================  ==============  ==============================================
 ``pre_forward_unshard``        forward-pre     unshard (all-gather into the buffer), prefetch next
 ``cast_forward_inputs``        forward-pre     cast floating inputs to ``param_dtype`` (only with
-                                               a ``MixedPrecision.param_dtype``)
+                                               a ``MixedPrecisionPolicy.param_dtype``)
 ``install_post_backward``      forward-pre     wrap the inputs in an autograd function whose
                                                backward calls ``post_backward_handler``
 ``post_forward_reshard``       forward         reshard (mark the buffer free); ``always_call``, so
@@ -15,6 +15,9 @@ hook                           kind            does
 ``install_pre_backward``       forward         register grad hooks on the outputs that call
                                                ``pre_backward_handler`` (and queue the root's
                                                end-of-backward step)
+``cast_forward_outputs``       forward         cast floating outputs to ``output_dtype`` (only
+                                               with a ``MixedPrecisionPolicy.output_dtype``;
+                                               after the pre-backward hooks, as in FSDP2)
 =============================  ==============  ==============================================
 
 Each hook enters the engine through the unit's root (``root.py``), which does the lazy init and
@@ -63,15 +66,21 @@ def pre_forward_unshard(module: nn.Module, args: tuple, kwargs: dict) -> None:
     root_of(module).pre_forward(unit_of(module))
 
 
-def cast_forward_inputs(module: nn.Module, args: tuple, kwargs: dict):
-    dtype = unit_of(module).compute_dtype
-
+def _cast_floating(tree, dtype: torch.dtype):
     def cast(x):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
             return x.to(dtype)
         return x
 
-    return tree_map(cast, (args, kwargs))
+    return tree_map(cast, tree)
+
+
+def cast_forward_inputs(module: nn.Module, args: tuple, kwargs: dict):
+    return _cast_floating((args, kwargs), unit_of(module).compute_dtype)
+
+
+def cast_forward_outputs(module: nn.Module, args: tuple, output):
+    return _cast_floating(output, unit_of(module).config.mp_policy.output_dtype)
 
 
 def post_forward_reshard(module: nn.Module, args: tuple, output) -> None:
@@ -159,4 +168,6 @@ def register_unit_hooks(module: nn.Module) -> list:
         module.register_forward_hook(post_forward_reshard, always_call=True),  # also when forward raises
         module.register_forward_hook(install_pre_backward),
     ]
+    if policy.output_dtype is not None:
+        handles.append(module.register_forward_hook(cast_forward_outputs))
     return handles

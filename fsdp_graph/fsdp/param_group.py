@@ -167,10 +167,11 @@ class ParamGroup:
             for module, attr in param.refs:
                 module._parameters[attr] = master
 
-    def reshard(self) -> None:
-        """The masters go back into the modules; the buffer is free for the next unit."""
+    def reshard(self, free: bool = True) -> None:
+        """The masters go back into the modules; the buffer is free for the next unit (a dynamic
+        one's memory is freed, unless ``free=False``: kept gathered until after backward)."""
         self.use_masters()
-        if self.placement is Placement.DYNAMIC:
+        if self.placement is Placement.DYNAMIC and free:
             self._free_dynamic()
             self.state = ShardState.SHARDED
         else:

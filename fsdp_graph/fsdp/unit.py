@@ -26,7 +26,7 @@ from .buffers import BufferDtypes, Placement, PlacementRequest, SlotPool
 from .collectives import CommStreams
 from .distributed import group_rank_and_size
 from .gradients import UnitGradients
-from .mixed_precision import MixedPrecision
+from .mixed_precision import MixedPrecisionPolicy
 from .order import ExecutionOrder
 from .param_group import HOLDS_DATA, ParamGroup, ShardState
 from .sharded_param import ShardedParam
@@ -35,9 +35,11 @@ from .training_state import TrainingState, TransitionError, check_transition
 
 @dataclass(frozen=True)
 class UnitConfig:
-    mp_policy: MixedPrecision
+    mp_policy: MixedPrecisionPolicy
     double_buffer: bool
     persist_buffer_on_alloc_fail: bool
+    reshard_after_forward: bool = True  # False: gathered from forward to backward, one all-gather
+    ignored: frozenset = frozenset()  # ids of parameters fully_shard leaves alone
 
     @property
     def fixed_addresses(self) -> bool:
@@ -45,7 +47,7 @@ class UnitConfig:
         return self.double_buffer and self.persist_buffer_on_alloc_fail
 
 
-def _dtypes(name: str, params: list[tuple[str, nn.Parameter, list]], policy: MixedPrecision):
+def _dtypes(name: str, params: list[tuple[str, nn.Parameter, list]], policy: MixedPrecisionPolicy):
     """(compute, reduce, master) dtypes, or an error naming the parameter and the fix."""
     for pname, p, _ in params:
         if not p.dtype.is_floating_point:
@@ -58,7 +60,7 @@ def _dtypes(name: str, params: list[tuple[str, nn.Parameter, list]], policy: Mix
         examples = ", ".join(f"'{next(n for n, p, _ in params if p.dtype == d)}' is {d}" for d in dtypes)
         raise TypeError(
             f"FSDP unit {name} has parameters of mixed dtypes ({examples}). One flat buffer "
-            "needs one compute dtype: pass mp_policy=MixedPrecision(param_dtype=...), cast the "
+            "needs one compute dtype: pass mp_policy=MixedPrecisionPolicy(param_dtype=...), cast the "
             "module with .to(dtype) before fully_shard, or fully_shard the differing submodule "
             "as its own unit."
         )
@@ -120,7 +122,7 @@ class FSDPUnit:
         layout, config = self.param_group.layout, self.config
         return PlacementRequest(layout.padded_numel, self.world_size, self.param_group.dtypes, self.device,
                                 id(self.group), config.double_buffer, config.persist_buffer_on_alloc_fail,
-                                has_inner_units)
+                                has_inner_units, config.reshard_after_forward)
 
     def bind(self, placement: Placement, pool: SlotPool | None, streams: CommStreams, order: ExecutionOrder) -> None:
         self._streams, self._order = streams, order
@@ -165,7 +167,7 @@ class FSDPUnit:
         if self.state is TrainingState.BACKWARD:
             return False
         check_transition(self.name, "post_forward", self.state, (TrainingState.FORWARD,))
-        self.param_group.reshard()
+        self.param_group.reshard(free=self.config.reshard_after_forward)
         self.state = TrainingState.IDLE
         return True
 

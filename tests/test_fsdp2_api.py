@@ -1,0 +1,132 @@
+"""FSDP2's API by the same names: one training script, switched between torch.distributed.fsdp and
+fsdp_graph by its import alone, gives the same losses and clipping norms; FSDP2's options that
+have no counterpart here are refused with the fix named."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdp_graph
+
+from dist_harness import run_ranks
+from models import TinyLM, global_batch, local_part
+
+STEPS = 5
+MAX_NORM = 0.05  # small enough that every step clips
+
+
+def fsdp2_script(info, library: str) -> tuple[list[float], list[float]]:
+    """An FSDP2 user's script; ``library`` is the module it imports fully_shard from."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    lib = importlib.import_module(library)
+    fully_shard, MixedPrecisionPolicy = lib.fully_shard, lib.MixedPrecisionPolicy
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=4).to(info.device)
+    fully_shard([model.blocks[0], model.blocks[1]], mesh=mesh, mp_policy=policy)  # a list of modules
+    for block in model.blocks[2:]:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, norms = [], []
+    for step in range(STEPS):
+        idx, targets = global_batch(step, info.world_size, info.device)
+        logits = model(local_part(idx, info.rank, info.world_size))
+        loss = F.cross_entropy(logits.flatten(0, 1), local_part(targets, info.rank, info.world_size).flatten())
+        loss.backward()
+        if library == "fsdp_graph":
+            norm = fsdp_graph.clip_grad_norm_(model, MAX_NORM)  # torch's clipping needs DTensor parameters (#11)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+        norms.append(norm.detach().clone())
+    return losses, norms
+
+
+def _switched_by_import(info) -> None:
+    theirs = fsdp2_script(info, "torch.distributed.fsdp")
+    ours = fsdp2_script(info, "fsdp_graph")
+    for name, a, b in (("loss", ours[0], theirs[0]), ("clip norm", ours[1], theirs[1])):
+        for step, (x, y) in enumerate(zip(a, b)):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} {name}: {m}")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_fsdp2_script_switched_by_its_import_trains_the_same(world_size):
+    run_ranks(_switched_by_import, world_size)
+
+
+def test_torchs_mixed_precision_policy_is_accepted_with_output_dtype():
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    layer = nn.Linear(4, 4)
+    fsdp_graph.fully_shard(layer, mp_policy=TorchPolicy(output_dtype=torch.float64))
+    assert layer.fsdp_unit.config.mp_policy == fsdp_graph.MixedPrecisionPolicy(output_dtype=torch.float64)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = layer(x)
+    assert out.dtype == torch.float64
+    out.sum().backward()  # the pre-backward hook sits before the cast, as in FSDP2
+    assert layer.weight.grad is not None and x.grad is not None
+    assert fsdp_graph.MixedPrecision is fsdp_graph.MixedPrecisionPolicy
+
+
+def test_ignored_params_stay_unsharded_and_unmanaged():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    kept = model[1].weight
+    fsdp_graph.fully_shard(model, ignored_params={kept})
+    assert model[1].weight is kept and kept.shape == (4, 4)
+    assert [p.name for p in model.fsdp_unit.params] == ["0.weight", "0.bias", "1.bias"]
+    model(torch.randn(2, 4)).sum().backward()
+    assert kept.grad is not None and kept.grad.shape == (4, 4)
+
+
+def test_fsdp2_options_without_a_counterpart_are_refused_with_the_fix():
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    with pytest.raises(ValueError, match=r"reshard_after_forward=2.*True.*False"):
+        fsdp_graph.fully_shard(nn.Linear(2, 2), reshard_after_forward=2)
+    with pytest.raises(ValueError, match=r"CPUOffloadPolicy.*Drop offload_policy"):
+        fsdp_graph.fully_shard(nn.Linear(2, 2), offload_policy=CPUOffloadPolicy())
+    fsdp_graph.fully_shard(nn.Linear(2, 2), offload_policy=OffloadPolicy())  # no offload: fine
+    with pytest.raises(ValueError, match="shard_placement_fn is not supported.*Drop shard_placement_fn"):
+        fsdp_graph.fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: None)
+    shared = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"modules 0 and 1 of the list share a parameter.*common ancestor"):
+        fsdp_graph.fully_shard([nn.Sequential(shared), nn.Sequential(shared)])
+    with pytest.raises(TypeError, match="mp_policy must be a MixedPrecisionPolicy"):
+        fsdp_graph.fully_shard(nn.Linear(2, 2), mp_policy={"param_dtype": torch.bfloat16})
+
+
+def _meshes(info) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(info.device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match=r"mesh has 2 dimensions.*HSDP.*mesh\['shard'\]"):
+        fsdp_graph.fully_shard(nn.Linear(2, 2).to(info.device), mesh=mesh)
+    with pytest.raises(ValueError, match="mesh= or process_group=, not both"):
+        fsdp_graph.fully_shard(nn.Linear(2, 2).to(info.device), mesh=mesh["shard"],
+                               process_group=mesh["shard"].get_group())
+    # The fix the message names: shard within the 1-D shard dimension (2 ranks of the 4).
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8).to(info.device)
+    reference = nn.Linear(8, 8).to(info.device)
+    reference.load_state_dict(layer.state_dict())
+    fsdp_graph.fully_shard(layer, mesh=mesh["shard"])
+    assert layer.fsdp_unit.world_size == 2
+    x = torch.randn(2, 8, device=info.device)
+    torch.testing.assert_close(layer(x), reference(x))
+
+
+def test_meshes_other_than_one_dimension_are_refused_with_the_fix():
+    run_ranks(_meshes, 4)
