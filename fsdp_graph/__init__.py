@@ -23,7 +23,7 @@ Everything else stays importable from its module (``fsdp_graph.fsdp``: the shard
 
 from .fsdp.clip_grad import clip_grad_norm_
 from .fsdp.distributed import DistInfo, init_distributed
-from .fsdp.fully_shard import FSDPModule, fully_shard
+from .fsdp.fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method
 from .fsdp.hooks import BACKWARD_PRE_SENTINEL, BACKWARD_SENTINEL, post_backward_handler, pre_backward_handler
 from .fsdp.mixed_precision import MixedPrecision, MixedPrecisionPolicy
 from .fsdp.state_dict import full_state_dict, load_full_state_dict
@@ -55,6 +55,7 @@ __all__ = [
     "make_train_step",
     "post_backward_handler",
     "pre_backward_handler",
+    "register_fsdp_forward_method",
     "select_modules",
 ]
 

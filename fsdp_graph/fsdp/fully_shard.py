@@ -21,9 +21,10 @@ import torch.nn as nn
 
 from .distributed import resolve_group
 from .fsdp_options import Options, list_of_modules, resolve_options
-from .hooks import register_unit_hooks
+from .hooks import register_unit_hooks, run_as_forward
 from .mixed_precision import MixedPrecisionPolicy
-from .registry import ENCLOSING_ATTR, ROOT_ATTR, UNIT_ATTR, pinned_by, unit_of, units_in
+from .param_group import ShardState
+from .registry import ENCLOSING_ATTR, ROOT_ATTR, UNIT_ATTR, pinned_by, root_of, unit_of, units_in
 from .root import RootContext
 from .sharded_param import master_owner, replaced_by
 from .unit import FSDPUnit, UnitConfig
@@ -45,6 +46,40 @@ class FSDPModule:
         for unit in units:
             unit.requires_gradient_sync = requires_gradient_sync
 
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now (not recursive) and put the unsharded ones in
+        the module, as FSDP2 does; the next forward uses them without gathering again.
+        ``async_op=True``: return a handle whose ``wait()`` does the putting (the forward waits too)."""
+        unit = unit_of(self)
+        root_of(self).lazy_init()
+        unit.require_idle("unshard()")
+        unit.param_group.prefetch(strict=True)
+        handle = UnshardHandle(unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Put the sharded parameters back into this module (not recursive)."""
+        unit = unit_of(self)
+        unit.require_idle("reshard()")
+        if unit.shard_state is ShardState.UNSHARDED:
+            unit.param_group.reshard()
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's reduced gradient sum by ``factor`` instead of the world size."""
+        unit_of(self).grads.divide_factor = float(factor)
+
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor  # FSDP2's earlier name
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2's scripts: here every reduction is a plain sum, scaled afterwards."""
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2's scripts: FSDP2 skips waiting for the last reduce-scatters when
+        False. Here the end of every backward joins them, which is correct either way."""
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside the block skip gradient reduction."""
@@ -57,6 +92,32 @@ class FSDPModule:
         finally:
             for unit, value in zip(units, previous):
                 unit.requires_gradient_sync = value
+
+
+class UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns."""
+
+    def __init__(self, unit: FSDPUnit) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        if self._unit.shard_state is ShardState.PREFETCHED:
+            self._unit.param_group.use()
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` between the unit's forward hooks, as ``forward`` runs (FSDP2's
+    function of the same name, e.g. for ``generate``). A no-op for a module that is not sharded."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
+    method = getattr(module, method_name)
+
+    def as_forward(*args, **kwargs):
+        return run_as_forward(module, method, args, kwargs)
+
+    setattr(module, method_name, as_forward)
 
 
 _fsdp_classes: dict[type, type] = {}

@@ -40,6 +40,7 @@ class UnitGradients:
         self._trainable_views: list[torch.Tensor] = []
         self.refresh_trainable()
         self.accumulation_pending = False  # a no_sync sum waits in the accumulation buffer
+        self.divide_factor: float | None = None  # the reduced sum is divided by it (None: the world size)
         self._accum: GradBuffer | None = None
         self._accum_views: list[torch.Tensor] = []
         self._views_of: FlatBuffers | None = None  # the buffers ``_views`` are views of
@@ -112,7 +113,7 @@ class UnitGradients:
 
     def _accumulate_sharded(self, reduced: torch.Tensor) -> None:
         """master.grad (+)= reduced / world_size, as autograd would accumulate into ``.grad``."""
-        scale = 1.0 / self.world_size
+        scale = 1.0 / (self.divide_factor or self.world_size)
         masters, views = self._masters, self._trainable_views
         current = [m.grad for m in masters]
         if all(map(operator.is_, current, repeat(None))):

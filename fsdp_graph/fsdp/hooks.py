@@ -154,20 +154,40 @@ class _OutputGradHook:
         pre_backward_handler(self.module)
 
 
-def register_unit_hooks(module: nn.Module) -> list:
-    """Install the hooks; returns their handles (removed if the unit is re-planned).
-
-    Forward-pre hooks run in the order unshard, cast inputs, install post-backward.
-    """
-    handles = [module.register_forward_pre_hook(install_post_backward, with_kwargs=True, prepend=True)]
+def _unit_hooks(module: nn.Module) -> tuple[list, list]:
+    """The unit's forward-pre hooks and forward hooks, each list in the order they run."""
     policy = unit_of(module).config.mp_policy
-    if policy.param_dtype is not None and policy.cast_forward_inputs:
-        handles.append(module.register_forward_pre_hook(cast_forward_inputs, with_kwargs=True, prepend=True))
-    handles += [
-        module.register_forward_pre_hook(pre_forward_unshard, with_kwargs=True, prepend=True),
-        module.register_forward_hook(post_forward_reshard, always_call=True),  # also when forward raises
-        module.register_forward_hook(install_pre_backward),
-    ]
-    if policy.output_dtype is not None:
-        handles.append(module.register_forward_hook(cast_forward_outputs))
+    cast_in = [cast_forward_inputs] if policy.param_dtype is not None and policy.cast_forward_inputs else []
+    cast_out = [cast_forward_outputs] if policy.output_dtype is not None else []
+    pre = [pre_forward_unshard, *cast_in, install_post_backward]
+    return pre, [post_forward_reshard, install_pre_backward, *cast_out]
+
+
+def register_unit_hooks(module: nn.Module) -> list:
+    """Install the hooks; returns their handles (removed if the unit is re-planned). The
+    forward-pre hooks go before any the module already has, as in FSDP2."""
+    pre, post = _unit_hooks(module)
+    handles = [module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True) for hook in reversed(pre)]
+    for hook in post:  # post_forward_reshard also when forward raises
+        handles.append(module.register_forward_hook(hook, always_call=hook is post_forward_reshard))
     return handles
+
+
+def run_as_forward(module: nn.Module, method, args: tuple, kwargs: dict):
+    """``method(*args, **kwargs)`` between the unit's forward hooks, as ``module(...)`` would run
+    ``forward`` (FSDP2's ``register_fsdp_forward_method``: ``model.generate()``, say)."""
+    pre, post = _unit_hooks(module)
+    for hook in pre:
+        result = hook(module, args, kwargs)
+        if result is not None:
+            args, kwargs = result
+    try:
+        output = method(*args, **kwargs)
+    except BaseException:
+        post_forward_reshard(module, args, None)
+        raise
+    for hook in post:
+        result = hook(module, args, output)
+        if result is not None:
+            output = result
+    return output

@@ -148,9 +148,10 @@ class ParamGroup:
         self._issue_unshard(prefetch=False)
         self.state = ShardState.GATHERED
 
-    def prefetch(self) -> None:
-        """Gather ahead of use, unless the buffer is busy with another unit's parameters."""
-        if self._issue_unshard(prefetch=True):
+    def prefetch(self, strict: bool = False) -> None:
+        """Gather ahead of use, unless the buffer is busy with another unit's parameters (then
+        nothing happens; ``strict``: the slot-conflict error instead)."""
+        if self._issue_unshard(prefetch=not strict):
             self.state = ShardState.PREFETCHED
 
     def use(self) -> None:

@@ -151,8 +151,8 @@ class FSDPUnit:
         self._post_backward_from_params = False  # set again by this forward's hooks if it applies
         self._order.record_forward(self)
         group = self.param_group
-        if group.state is not ShardState.PREFETCHED:
-            group.unshard()
+        if group.state is not ShardState.PREFETCHED and group.state is not ShardState.UNSHARDED:
+            group.unshard()  # (UNSHARDED here: the user called module.unshard() before this forward)
         if group.sync_requires_grad():
             self.grads.refresh_trainable()
             self._grad_hooks_current = False
