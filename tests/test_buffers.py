@@ -168,3 +168,40 @@ def test_reshard_after_forward_false_gathers_once_per_step(monkeypatch, double_b
     units = 4  # the root and three blocks
     assert gathers_per_step(False) == units
     assert gathers_per_step(True) == (units + 1 if double_buffer else 2 * units)
+
+
+def test_unshard_before_a_step_saves_that_units_gather_and_keeps_slots_alternating(monkeypatch):
+    """module.unshard() before the first step takes slots in module order (neighbours still
+    alternate), and the next forward uses the unsharded parameters without gathering again."""
+    import fsdp_graph.fsdp.param_group as param_group
+
+    model, _ = build(torch.device("cpu"), n_blocks=4)
+    shard(model)
+    model.blocks[3].unshard()  # before any forward
+    model.blocks[3].reshard()
+    info = type("Info", (), {"world_size": 1, "rank": 0, "device": torch.device("cpu")})
+    calls = []
+    original = param_group.all_gather_inplace
+    monkeypatch.setattr(param_group, "all_gather_inplace", lambda *a: calls.append(1) or original(*a))
+    counts = []
+    for step in range(3):
+        if step == 2:
+            model.blocks[0].unshard(async_op=True).wait()
+        calls.clear()
+        local_loss(model, step, info).backward()
+        counts.append(len(calls))
+    assert counts[2] == counts[1] - 1, counts  # blocks.0 was not gathered again
+    slots = [unit_buffers(b.fsdp_unit).params for b in model.blocks]
+    assert slots[0] == slots[2] and slots[1] == slots[3] and slots[0] != slots[1]
+
+
+def test_a_slot_held_by_unshard_names_reshard_as_the_fix():
+    model, _ = build(torch.device("cpu"), n_blocks=3)
+    shard(model)
+    info = type("Info", (), {"world_size": 1, "rank": 0, "device": torch.device("cpu")})
+    local_loss(model, 0, info).backward()
+    model.blocks[2].unshard()  # blocks 0 and 2 share a slot
+    with pytest.raises(RuntimeError, match=r"module.unshard\(\) left blocks.2 \(Block\) unsharded: call its reshard"):
+        local_loss(model, 1, info)
+    model.blocks[2].reshard()
+    local_loss(model, 1, info).backward()

@@ -86,14 +86,47 @@ def test_torchs_mixed_precision_policy_is_accepted_with_output_dtype():
     assert fsdp_graph.MixedPrecision is fsdp_graph.MixedPrecisionPolicy
 
 
-def test_ignored_params_stay_unsharded_and_unmanaged():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    kept = model[1].weight
-    fsdp_graph.fully_shard(model, ignored_params={kept})
-    assert model[1].weight is kept and kept.shape == (4, 4)
-    assert [p.name for p in model.fsdp_unit.params] == ["0.weight", "0.bias", "1.bias"]
+def test_ignored_params_stay_unsharded_and_unmanaged_also_by_the_parent():
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4))
+    kept = model[0][1].weight
+    fsdp_graph.fully_shard(model[0], ignored_params={kept})
+    fsdp_graph.fully_shard(model)  # the parent does not take it either (FSDP2's behaviour)
+    assert model[0][1].weight is kept and kept.shape == (4, 4)
+    assert [p.name for p in model[0].fsdp_unit.params] == ["0.weight", "0.bias", "1.bias"]
+    assert [p.name for p in model.fsdp_unit.params] == ["1.weight", "1.bias"]
     model(torch.randn(2, 4)).sum().backward()
     assert kept.grad is not None and kept.grad.shape == (4, 4)
+
+
+def test_after_unshard_state_dicts_and_clipping_refuse_until_reshard():
+    """unshard() leaves the unsharded parameters (and their gradients' views) in the module:
+    clipping, loading or gathering there would act on the gathered copy, not the masters."""
+    torch.manual_seed(0)
+    model = _WithMethod()
+    fsdp_graph.fully_shard(model)
+    model(torch.randn(2, 6)).sum().backward()
+    state = fsdp_graph.full_state_dict(model)
+    model.unshard()
+    for call in (lambda: fsdp_graph.clip_grad_norm_(model, 1.0), lambda: fsdp_graph.full_state_dict(model),
+                 lambda: fsdp_graph.load_full_state_dict(model, state)):
+        with pytest.raises(fsdp_graph.TransitionError, match=r"unshard\(\) left .*call module.reshard\(\) first"):
+            call()
+    model.reshard()
+    fsdp_graph.load_full_state_dict(model, state)
+    assert fsdp_graph.clip_grad_norm_(model, 1.0) > 0
+
+
+def test_gradient_divide_factor_is_validated_and_survives_a_rebuild():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight = model[0].weight  # tied across the two units: the parent rebuilds model[0]'s
+    fsdp_graph.fully_shard(model[0])
+    fsdp_graph.fully_shard(model[1])
+    model[0].set_gradient_divide_factor(4.0)
+    with pytest.raises(ValueError, match="factor must be a number > 0"):
+        model[0].set_gradient_divide_factor(0)
+    fsdp_graph.fully_shard(model)
+    assert model[0].fsdp_unit.grads.divide_factor == 4.0
 
 
 def test_fsdp2_options_without_a_counterpart_are_refused_with_the_fix():
@@ -151,6 +184,10 @@ class _WithMethod(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.proj(x))
 
+    def twice(self, x: torch.Tensor) -> torch.Tensor:
+        """Calls the module itself, as a ``generate`` does."""
+        return self(x) + self(2 * x)
+
 
 def _module_methods(info) -> None:
     """unshard()/reshard() and register_fsdp_forward_method behave as FSDP2's do."""
@@ -175,6 +212,8 @@ def _module_methods(info) -> None:
         lib.register_fsdp_forward_method(model, "features")
         feats = model.features(x)  # outside forward: the method unshards around itself
         feats.sum().backward()
+        lib.register_fsdp_forward_method(model, "twice")
+        model.twice(x).sum().backward()  # forwards nested inside a registered method
         grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                  for p in model.parameters() if p.grad is not None]  # FSDP2: None for unused parameters
         results[lib.__name__] = (y.detach(), feats.detach(), [g.detach().clone() for g in grads])

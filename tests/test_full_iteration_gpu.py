@@ -213,3 +213,18 @@ def test_whole_eval_graph_refuses_layer_eval_graphs_which_fall_back_with_grad_en
         model(idx, targets)
     model(idx, targets)[1].backward()  # eval mode with gradients: the blocks run eagerly, and backward works
     assert all(b.forward.replays == 1 for b in model.blocks)
+
+
+@needs_one
+def test_a_divide_factor_set_after_capture_is_refused_not_ignored():
+    model = _single_gpu_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    step = fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, opt, config=_whole_step(1),
+                                      example_batch=_cuda_batch())
+    model.blocks[0].set_gradient_divide_factor(2.0)  # before capture: captured with it
+    for _ in range(3):
+        step(*_cuda_batch())
+    assert step.replays == 2
+    model.blocks[0].set_gradient_divide_factor(3.0)
+    with pytest.raises(RuntimeError, match="set_gradient_divide_factor was called after the whole-step graph"):
+        step(*_cuda_batch())

@@ -29,6 +29,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """
     p = float(norm_type)
     units = units_in(model)
+    for unit in units:
+        unit.require_idle("clip_grad_norm_")  # mid-step (or after unshard()), .grad is not the masters'
     groups = {id(u.group): u.group for u in units if u.params}
     if len(groups) > 1:
         raise ValueError("clip_grad_norm_: the model's units use different process groups; clip each part separately")

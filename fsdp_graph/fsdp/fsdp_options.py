@@ -11,10 +11,13 @@
 * ``reshard_after_forward=<int>``: refused (resharding to a smaller world is not implemented).
 * ``mp_policy``: ``MixedPrecisionPolicy``, ours or torch's (same fields).
 * ``offload_policy``: ``OffloadPolicy()`` (no offload) accepted; ``CPUOffloadPolicy`` refused.
-* ``ignored_params``: left unsharded and unmanaged, as in FSDP2 (their gradients are not reduced).
+* ``ignored_params``: left unsharded and unmanaged, as in FSDP2 (their gradients are not reduced),
+  also by ``fully_shard`` calls on enclosing modules later.
 * ``shard_placement_fn``: refused (every unit shards one flat buffer evenly).
-* a list of modules: each is sharded as its own unit, with the same results and one collective per
-  module instead of one for all; refused if they share a parameter.
+* a list of modules: each is sharded as its own unit, with the same training results and one
+  collective per module instead of one for all; refused if they share a parameter. Module methods
+  (``unshard``, ``set_gradient_divide_factor``, ...) then act on the module they are called on,
+  where FSDP2's act on the whole group.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class Options:
     process_group: dist.ProcessGroup | None
     reshard_after_forward: bool
     mp_policy: MixedPrecisionPolicy
-    ignored: frozenset  # ids of ignored parameters
+    ignored_params: tuple  # left unsharded and unmanaged by this and every later fully_shard
 
 
 def _group_of(mesh, process_group):
@@ -78,9 +81,8 @@ def resolve_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, 
             "flat buffer and sharded evenly across ranks. Drop shard_placement_fn."
         )
     _check_offload(offload_policy)
-    ignored = frozenset(id(p) for p in (ignored_params or ()))
     return Options(_group_of(mesh, process_group), _reshard_after_forward(reshard_after_forward),
-                   MixedPrecisionPolicy.of(mp_policy), ignored)
+                   MixedPrecisionPolicy.of(mp_policy), tuple(ignored_params or ()))
 
 
 def list_of_modules(modules) -> list[nn.Module]:

@@ -30,6 +30,7 @@ from .sharded_param import master_owner, replaced_by
 from .unit import FSDPUnit, UnitConfig
 
 _HOOKS_ATTR = "_fsdp_hook_handles"
+IGNORED_TAG = "_fsdp_graph_ignored"  # on a parameter passed in ignored_params: no unit ever owns it
 
 
 class FSDPModule:
@@ -48,27 +49,30 @@ class FSDPModule:
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (not recursive) and put the unsharded ones in
-        the module, as FSDP2 does; the next forward uses them without gathering again.
-        ``async_op=True``: return a handle whose ``wait()`` does the putting (the forward waits too)."""
+        the module, as FSDP2 does; the next forward uses them without gathering again, and
+        ``reshard()`` (or that forward's end) puts the sharded ones back. The all-gather runs on its
+        stream and only the compute stream waits for it, so ``async_op=True`` does the same and
+        returns a handle whose ``wait()`` has nothing left to wait for."""
         unit = unit_of(self)
-        root_of(self).lazy_init()
-        unit.require_idle("unshard()")
-        unit.param_group.prefetch(strict=True)
-        handle = UnshardHandle(unit)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+        root_of(self).take_slots_in_module_order()
+        if unit.shard_state is not ShardState.UNSHARDED:
+            unit.require_idle("unshard()")
+            unit.param_group.prefetch(strict=True)
+            unit.param_group.use()  # the compute stream waits on the device; the host never blocks
+        return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
         """Put the sharded parameters back into this module (not recursive)."""
         unit = unit_of(self)
-        unit.require_idle("reshard()")
+        unit.require_idle("reshard()", unsharded_ok=True)
         if unit.shard_state is ShardState.UNSHARDED:
             unit.param_group.reshard()
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide this unit's reduced gradient sum by ``factor`` instead of the world size."""
+        """Divide this unit's reduced gradient sum by ``factor`` instead of the world size (this
+        module's unit only, not recursive; set it before a whole-step graph is captured)."""
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a number > 0, got {factor!r}")
         unit_of(self).grads.divide_factor = float(factor)
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor  # FSDP2's earlier name
@@ -95,14 +99,10 @@ class FSDPModule:
 
 
 class UnshardHandle:
-    """What ``FSDPModule.unshard(async_op=True)`` returns."""
-
-    def __init__(self, unit: FSDPUnit) -> None:
-        self._unit = unit
+    """What ``FSDPModule.unshard(async_op=True)`` returns (see there: nothing is left to wait for)."""
 
     def wait(self) -> None:
-        if self._unit.shard_state is ShardState.PREFETCHED:
-            self._unit.param_group.use()
+        return None
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -196,7 +196,7 @@ def _build_unit(
             )
         if owner is not None or replaced_by(param) or not all(id(m) in inside for m, _, _ in places):
             continue
-        if id(param) in config.ignored:
+        if getattr(param, IGNORED_TAG, False):
             continue
         prefix = next((name for name, m in module.named_modules() if m is places[0][0]), "")
         name = f"{prefix}.{places[0][1]}" if prefix else places[0][1]
@@ -313,8 +313,9 @@ def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist
     group = resolve_group(options.process_group)
     device = _choose_device(module, group)
     _move_buffers(module, device)
-    config = UnitConfig(options.mp_policy, double_buffer, persist_buffer_on_alloc_fail,
-                        options.reshard_after_forward, options.ignored)
+    config = UnitConfig(options.mp_policy, double_buffer, persist_buffer_on_alloc_fail, options.reshard_after_forward)
+    for param in options.ignored_params:
+        setattr(param, IGNORED_TAG, True)
 
     # Parameters tied across an inner unit's boundary move up: rebuild that unit without them.
     refs = _param_refs(module)
@@ -333,7 +334,10 @@ def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist
         for unit in sorted(crossing, key=lambda u: -_depth(u.module, module)):
             # Innermost first; each rebuilt unit is linked at once, so it has a live root even if
             # building the enclosing unit below fails.
-            _link(_build_unit(unit.module, refs, unit.config, unit.group, unit.device))
+            rebuilt = _build_unit(unit.module, refs, unit.config, unit.group, unit.device)
+            rebuilt.requires_gradient_sync = unit.requires_gradient_sync
+            rebuilt.grads.divide_factor = unit.grads.divide_factor
+            _link(rebuilt)
             refs = _param_refs(module)
 
     unit = _build_unit(module, refs, config, group, device)

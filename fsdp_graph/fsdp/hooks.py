@@ -107,7 +107,10 @@ class _PostBackwardTrigger(torch.autograd.Function):
 
 
 def _hooks_active(module: nn.Module) -> bool:
-    return torch.is_grad_enabled() and unit_of(module).state is not TrainingState.BACKWARD
+    """Not during backward (a recompute), nor for a forward nested inside the module's own one:
+    the outer call's backward handlers cover it."""
+    unit = unit_of(module)
+    return torch.is_grad_enabled() and unit.state is not TrainingState.BACKWARD and not unit.nested_forwards
 
 
 def install_post_backward(module: nn.Module, args: tuple, kwargs: dict):
@@ -181,11 +184,15 @@ def run_as_forward(module: nn.Module, method, args: tuple, kwargs: dict):
         result = hook(module, args, kwargs)
         if result is not None:
             args, kwargs = result
+    unit = unit_of(module)
+    unit.in_forward_method = True  # the method may call the module itself: that forward is nested
     try:
         output = method(*args, **kwargs)
     except BaseException:
+        unit.in_forward_method = False
         post_forward_reshard(module, args, None)
         raise
+    unit.in_forward_method = False
     for hook in post:
         result = hook(module, args, output)
         if result is not None:

@@ -124,8 +124,9 @@ class ParamGroup:
                 raise RuntimeError(
                     f"FSDP units {owner.name} and {self.name} share a double-buffer slot but both need "
                     "their parameters unsharded at once (units run in a different order than in the "
-                    "first forward, or one unit runs inside another that is not its parent unit). "
-                    "Pass double_buffer=False to fully_shard for one of them."
+                    "first forward, one unit runs inside another that is not its parent unit, or "
+                    f"module.unshard() left {owner.name} unsharded: call its reshard() first). Otherwise "
+                    "pass double_buffer=False to fully_shard for one of them."
                 )
             owner.evict()
         self.buffers.param_owner = self

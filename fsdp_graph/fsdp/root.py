@@ -51,14 +51,27 @@ class RootContext:
 
     # -- hook entry points ----------------------------------------------------------------
     def pre_forward(self, unit: FSDPUnit) -> None:
+        if unit.state is TrainingState.FORWARD and unit.in_forward_method:
+            unit.nested_forwards += 1  # already unsharded by the method's call (see hooks.run_as_forward)
+            return
         self.lazy_init()
         if unit is self.root and not _in_backward():
             self.begin_forward()  # a new iteration (also recovers units an exception left mid-step)
         unit.pre_forward()
 
     def post_forward(self, unit: FSDPUnit) -> None:
+        if unit.nested_forwards:
+            unit.nested_forwards -= 1
+            return
         if unit.post_forward() and unit is self.root:
             self.end_forward()
+
+    def take_slots_in_module_order(self) -> None:
+        """Slots alternate in execution order; before the first forward, module order stands in
+        for it (a stack's forward order), whatever unshards first (a capture, module.unshard())."""
+        self.lazy_init()
+        for unit in self.units:
+            unit.take_slot()
 
     def pre_backward(self, unit: FSDPUnit) -> None:
         self.lazy_init()
@@ -100,11 +113,8 @@ class RootContext:
         """Unit steps run by graph warm-up and capture are no training step: afterwards every unit
         is idle with nothing prefetched, and the recorded execution order and all gradients are
         as before (also when capture fails)."""
-        self.lazy_init()
-        # Capture unshards only the graphed units, in list order: slots taken then would not
-        # alternate in execution order. Take them in module order (a stack's forward order) first.
-        for unit in self.units:
-            unit.take_slot()
+        # Capture unshards only the graphed units, in list order.
+        self.take_slots_in_module_order()
         order = self.order.snapshot()
         grads = [unit.grads.snapshot() for unit in self.units]
         try:

@@ -39,7 +39,6 @@ class UnitConfig:
     double_buffer: bool
     persist_buffer_on_alloc_fail: bool
     reshard_after_forward: bool = True  # False: gathered from forward to backward, one all-gather
-    ignored: frozenset = frozenset()  # ids of parameters fully_shard leaves alone
 
     @property
     def fixed_addresses(self) -> bool:
@@ -93,6 +92,8 @@ class FSDPUnit:
         self.name = self.class_name  # fully_shard renames it to "<path> (<class>)" once the tree is known
         self.active = True  # False once fully_shard dissolved it to rebuild it
         self.state = TrainingState.IDLE
+        self.in_forward_method = False  # a registered forward method runs (it may call the module again)
+        self.nested_forwards = 0  # forwards of this module inside that method (its self(...) calls)
         self.requires_gradient_sync = True
         self.parent: FSDPUnit | None = None
         self._streams: CommStreams | None = None
@@ -206,8 +207,8 @@ class FSDPUnit:
         if self.state is not TrainingState.IDLE:
             return
         state = self.param_group.state
-        if state is ShardState.PREFETCHED or (for_backward and state in HOLDS_DATA):
-            return
+        if state is ShardState.PREFETCHED or state is ShardState.UNSHARDED or (for_backward and state in HOLDS_DATA):
+            return  # (UNSHARDED while idle: module.unshard() put them in place already)
         self.param_group.prefetch()
 
     # -- post-backward for units whose inputs need no gradient -----------------------------
@@ -237,6 +238,7 @@ class FSDPUnit:
     # -- iteration boundaries and capture, by the root ------------------------------------
     def reset_if_stuck(self) -> None:
         """Bring a unit left mid-step by an exception back to IDLE (called at a root forward)."""
+        self.nested_forwards, self.in_forward_method = 0, False
         if self.state is not TrainingState.IDLE:
             self.param_group.drop()
             self.grads.abandon()
@@ -249,11 +251,18 @@ class FSDPUnit:
         self.param_group.forget_event()
         self.grads.forget_events(self.param_group.buffers)
 
-    def require_idle(self, what: str) -> None:
+    def require_idle(self, what: str, *, unsharded_ok: bool = False) -> None:
+        """Refuse work on the masters while the modules hold the unsharded parameters (mid-step,
+        or after module.unshard(), unless ``unsharded_ok``)."""
         if self.state is not TrainingState.IDLE:
             raise TransitionError(
                 f"FSDP unit {self.name}: {what} needs the unit idle, but it is in {self.state.value}; "
                 "call it outside forward/backward."
+            )
+        if self.param_group.state is ShardState.UNSHARDED and not unsharded_ok:
+            raise TransitionError(
+                f"FSDP unit {self.name}: {what} needs the sharded parameters in the modules, but module.unshard() "
+                "left the unsharded ones there; call module.reshard() first."
             )
 
     def __repr__(self) -> str:

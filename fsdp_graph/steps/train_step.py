@@ -146,9 +146,11 @@ class GraphedTrainStep:
         self.eager_steps = 0
         self.replays = 0
         self._learning_rates = _learning_rates_on_device(body.optimizer, self.device)
+        self._divide_factors: list | None = None  # each unit's, as captured
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         self._check_learning_rates()
+        self._check_divide_factors()
         self.inputs.copy_in(batch)
         if self.graph is None:
             if self.eager_steps < self.num_warmup_iters:
@@ -171,6 +173,7 @@ class GraphedTrainStep:
         # The capture records one Python path: start it from "no gradient", as every eager step
         # does, so the graph overwrites the sharded gradients instead of adding to them.
         self.body.clear_grads()
+        self._divide_factors = [unit.grads.divide_factor for unit in self.body.units]
         self.graph, self.static_loss = capture_whole(
             "make_train_step", lambda: self.body.run(tuple(self.inputs.tensors)), self.contexts, self.stream
         )
@@ -180,6 +183,17 @@ class GraphedTrainStep:
         ``.grad`` back at them if ``zero_grad()`` set it to None."""
         for unit in self.body.units:
             unit.grads.expose_sharded()
+
+    def _check_divide_factors(self) -> None:
+        """The graph holds each unit's gradient scale as a constant: a later
+        ``set_gradient_divide_factor`` cannot reach it, so it is refused, not ignored."""
+        factors = [unit.grads.divide_factor for unit in self.body.units]
+        if self._divide_factors is not None and factors != self._divide_factors:
+            raise RuntimeError(
+                "make_train_step: set_gradient_divide_factor was called after the whole-step graph was captured; "
+                "the graph keeps the factor it was captured with. Set it before building the step, or build a "
+                "new step."
+            )
 
     def _check_learning_rates(self) -> None:
         optimizer = self.body.optimizer
