@@ -232,3 +232,13 @@ def _module_methods(info) -> None:
 
 def test_unshard_reshard_and_forward_methods_as_in_fsdp2():
     run_ranks(_module_methods, 2)
+
+
+def test_register_fsdp_forward_method_names_a_missing_method_and_skips_plain_modules():
+    plain = _WithMethod()
+    fsdp_graph.register_fsdp_forward_method(plain, "features")  # not sharded: a no-op, as in FSDP2
+    assert "features" not in plain.__dict__
+    model = _WithMethod()
+    fsdp_graph.fully_shard(model)
+    with pytest.raises(ValueError, match="_WithMethod has no method 'generate' to register"):
+        fsdp_graph.register_fsdp_forward_method(model, "generate")
