@@ -100,18 +100,32 @@ def test_double_buffer_false_allocates_per_unshard():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_flat_layout_covers_every_element_once(world_size):
-    shapes = [torch.Size(s) for s in [(5, 3), (7,), (1,), (130, 2), (3, 3, 3)]]
-    covered = []
+def test_flat_layout_follows_the_chunk_rule_and_round_trips(world_size):
+    """Each rank holds torch.chunk's rows of every parameter (FSDP2's Shard(0)); the gathered shards
+    copied out give every parameter back whole, at aligned offsets; copied back in (with a cast)
+    they give the gathered shards again, which is the reduce-scatter's input order."""
+    shapes = [torch.Size(s) for s in [(5, 3), (7,), (1,), (130, 2), (3, 3, 3), (0, 4)]]
+    params = [torch.randn(s) for s in shapes]
+    shards = []
     for rank in range(world_size):
         layout = FlatLayout(shapes, world_size, rank)
-        assert layout.padded_numel % (world_size * ALIGN_NUMEL) == 0
-        assert layout.shard_numel * world_size == layout.padded_numel
-        for i, span in enumerate(layout.spans):
-            assert span.offset % ALIGN_NUMEL == 0
-            covered += [(i, span.piece_start + k) for k in range(span.piece_numel)]
-    expected = [(i, k) for i, s in enumerate(shapes) for k in range(s.numel())]
-    assert sorted(covered) == expected
+        shard = torch.zeros(layout.shard_numel)
+        for p, view, span in zip(params, layout.local_views(shard), layout.spans):
+            view.copy_(p.narrow(0, span.row_start, span.local_rows))
+            chunks = list(torch.chunk(p, world_size)) if p.shape[0] else []
+            expected = chunks[rank] if rank < len(chunks) else p[:0]
+            assert torch.equal(view, expected), (span, rank)
+        shards.append(shard)
+    gathered = torch.cat(shards)
+    assert gathered.numel() == layout.gathered_numel
+    unsharded = torch.zeros(layout.unsharded_numel)
+    layout.copy_out(gathered, unsharded)
+    for p, view, span in zip(params, layout.param_views(unsharded), layout.spans):
+        assert span.offset % ALIGN_NUMEL == 0 and torch.equal(view, p)
+    back = torch.zeros(layout.gathered_numel, dtype=torch.float64)
+    layout.copy_in(unsharded, back)
+    assert torch.equal(back, gathered.double())
+    assert all(torch.equal(full, p) for full, p in zip(layout.full_from_gathered(gathered), params))
 
 
 def _request(numel: int, **kwargs) -> PlacementRequest:
@@ -138,7 +152,7 @@ def test_placement_plan_is_a_pure_function_of_the_requests():
         Placement.DYNAMIC, Placement.DYNAMIC, Placement.SLOT,
     ]
     pools = [pool for _, pool in plan]
-    assert pools[1] is pools[2] is pools[3] is pools[4] and pools[1].numel == 256 and pools[1].shard_numel == 128
+    assert pools[1] is pools[2] is pools[3] is pools[4] and pools[1].numel == 256
     assert pools[8] is not pools[1] and pools[8].numel == 64
 
 

@@ -86,11 +86,17 @@ def test_state_dict_during_forward_is_refused():
         lm_loss(model, idx, targets)
 
 
-def test_meta_parameters_are_refused():
-    with torch.device("meta"):
-        module = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="meta device.*to_empty"):
+def test_scalar_parameter_is_refused_with_the_fix():
+    module = nn.Linear(2, 2)
+    module.scale = nn.Parameter(torch.tensor(2.0))
+    with pytest.raises(ValueError, match="'scale' is a 0-d.*reshape\\(1\\)"):
         fsdp_graph.fully_shard(module)
+
+
+def test_dtype_change_of_a_sharded_model_is_refused():
+    module = fsdp_graph.fully_shard(nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="MixedPrecisionPolicy\\(param_dtype"):
+        module.to(torch.float64)
 
 
 def test_init_distributed_without_launcher_is_world_size_one(monkeypatch):

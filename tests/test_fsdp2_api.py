@@ -20,8 +20,18 @@ STEPS = 5
 MAX_NORM = 0.02  # small enough that every step clips
 
 
-def fsdp2_script(info, library: str) -> tuple[list[float], list[float]]:
-    """An FSDP2 user's script; ``library`` is the module it imports fully_shard from."""
+def init_weights(model: TinyLM) -> None:
+    """The model's own initialisation, run after to_empty on the sharded (DTensor) parameters."""
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    with torch.no_grad():
+        model.pos.copy_(torch.linspace(-0.1, 0.1, model.pos.numel()).view_as(model.pos))
+
+
+def fsdp2_script(info, library: str) -> tuple[list, list, dict]:
+    """An FSDP2 user's script; ``library`` is the module it imports fully_shard from. Meta-device
+    construction, fully_shard, to_empty, the model's own init, torch's clip_grad_norm_, AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
 
     lib = importlib.import_module(library)
@@ -30,11 +40,15 @@ def fsdp2_script(info, library: str) -> tuple[list[float], list[float]]:
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     torch.manual_seed(0)
-    model = TinyLM(n_blocks=4).to(info.device)
+    with torch.device("meta"):
+        model = TinyLM(n_blocks=4)
     fully_shard([model.blocks[0], model.blocks[1]], mesh=mesh, mp_policy=policy)  # a list of modules
     for block in model.blocks[2:]:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    model.to_empty(device=info.device)
+    init_weights(model)
+    initial = {name: p.full_tensor() for name, p in model.named_parameters()}
     for module in model.modules():
         if isinstance(module, lib.FSDPModule):
             module.set_gradient_divide_factor(2.0 * info.world_size)  # half the mean gradient
@@ -47,21 +61,20 @@ def fsdp2_script(info, library: str) -> tuple[list[float], list[float]]:
         logits = model(local_part(idx, info.rank, info.world_size))
         loss = F.cross_entropy(logits.flatten(0, 1), local_part(targets, info.rank, info.world_size).flatten())
         loss.backward()
-        if library == "fsdp_graph":
-            norm = fsdp_graph.clip_grad_norm_(model, MAX_NORM)  # torch's clipping needs DTensor parameters (#11)
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).full_tensor()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach().clone())
         norms.append(norm.detach().clone())
-    return losses, norms
+    return losses, norms, initial
 
 
 def _switched_by_import(info) -> None:
     theirs = fsdp2_script(info, "torch.distributed.fsdp")
     ours = fsdp2_script(info, "fsdp_graph")
+    assert ours[2].keys() == theirs[2].keys()
+    for name in ours[2]:
+        assert torch.equal(ours[2][name], theirs[2][name]), f"initial {name} differs from FSDP2's"
     for name, a, b in (("loss", ours[0], theirs[0]), ("clip norm", ours[1], theirs[1])):
         for step, (x, y) in enumerate(zip(a, b)):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} {name}: {m}")
@@ -214,20 +227,14 @@ def _module_methods(info) -> None:
         feats.sum().backward()
         lib.register_fsdp_forward_method(model, "twice")
         model.twice(x).sum().backward()  # forwards nested inside a registered method
-        grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                 for p in model.parameters() if p.grad is not None]  # FSDP2: None for unused parameters
+        grads = [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
         results[lib.__name__] = (y.detach(), feats.detach(), [g.detach().clone() for g in grads])
     ours, theirs = results["fsdp_graph"], results["torch.distributed.fsdp"]
     torch.testing.assert_close(ours[0], theirs[0])
     torch.testing.assert_close(ours[1], theirs[1])
-    # Gradients: ours are this rank's 1-D pieces of the flat layout, FSDP2's DTensors (full here),
-    # so compare their global norms.
-    norm = torch.stack([g.float().norm() ** 2 for g in ours[2]]).sum()
-    dist_norm = norm.clone()
-    import torch.distributed as dist
-
-    dist.all_reduce(dist_norm)
-    torch.testing.assert_close(dist_norm.sqrt(), torch.stack([g.norm() ** 2 for g in theirs[2]]).sum().sqrt())
+    assert len(ours[2]) == len(theirs[2])
+    for a, b in zip(ours[2], theirs[2]):
+        torch.testing.assert_close(a, b)
 
 
 def test_unshard_reshard_and_forward_methods_as_in_fsdp2():

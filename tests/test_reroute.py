@@ -18,6 +18,7 @@ from fsdp_graph.fsdp.hooks import (
 )
 from fsdp_graph.fsdp.introspect import unit_buffers
 from fsdp_graph.fsdp.registry import pinned_by, root_contexts
+from fsdp_graph.fsdp.sharded_param import master_owner
 from fsdp_graph.fsdp.training_state import TrainingState
 from fsdp_graph.graphs.graphed_callable import GraphedCallable
 from fsdp_graph.graphs.reroute import hooks_taken_off, seal_submodule_hooks
@@ -155,7 +156,7 @@ def test_capture_time_unit_steps_leave_fsdp_state_as_before():
             assert all(g.abs().sum() > 0 for g in grads[:2])
             assert any(m.grad is not None for m in unit.module.parameters())  # the capture reduced (zeros)
     assert unit.state is TrainingState.IDLE
-    assert all(p.grad is None and p.dim() == 1 for p in block.parameters())  # masters back, .grad as before
+    assert all(p.grad is None and master_owner(p) is unit for p in block.parameters())  # masters back, .grad as before
     assert ctx.order.forward == [] and ctx.order.backward == []
 
 
@@ -293,7 +294,7 @@ def test_graph_modules_puts_hooks_and_fsdp_state_back_when_capture_fails(monkeyp
     for attr, (obj, ids) in before.items():
         assert getattr(block, attr) is obj and list(obj) == ids
     assert block.fsdp_unit.state is TrainingState.IDLE and pinned_by(block) is None
-    assert all(p.dim() == 1 and p.grad is None for p in block.parameters())  # masters back in place
+    assert all(master_owner(p) is not None and p.grad is None for p in block.parameters())  # masters back in place
     assert not isinstance(block.__dict__.get("forward"), GraphedCallable)
 
 

@@ -54,27 +54,45 @@ class GradBuffer:
 
 @dataclass
 class FlatBuffers:
-    """One unit-sized set of buffers: unsharded parameters, their gradients, reduce staging."""
+    """One unit-sized pair of buffers: unsharded parameters and their gradients (compute dtype)."""
 
-    params: torch.Tensor  # compute dtype, [numel]
-    grads: GradBuffer  # compute dtype, [numel]
-    reduce_in: torch.Tensor | None  # reduce dtype, [numel]; None when it equals the compute dtype
-    reduce_out: torch.Tensor  # reduce dtype, [numel // world_size]
+    params: torch.Tensor  # [numel]
+    grads: GradBuffer  # [numel]
     param_owner: Any = field(default=None, repr=False)  # the parameter group whose data ``params`` holds
 
     @classmethod
     @torch.inference_mode(False)  # persistent buffers must outlive an inference-mode first call
-    def allocate(cls, numel: int, shard_numel: int, dtypes: BufferDtypes, device: torch.device) -> FlatBuffers:
+    def allocate(cls, numel: int, dtypes: BufferDtypes, device: torch.device) -> FlatBuffers:
         params = torch.empty(numel, dtype=dtypes.compute, device=device)
         grads = torch.zeros(numel, dtype=dtypes.compute, device=device)
-        reduce_in = None if dtypes.reduce == dtypes.compute else torch.empty(numel, dtype=dtypes.reduce, device=device)
-        reduce_out = torch.empty(shard_numel, dtype=dtypes.reduce, device=device)
-        return cls(params, GradBuffer(grads), reduce_in, reduce_out)
+        return cls(params, GradBuffer(grads))
 
     def nbytes_held(self) -> int:
         """Bytes of device memory these buffers hold now (0 for a dynamic unit between unshards)."""
-        tensors = (self.params, self.grads.tensor, self.reduce_in, self.reduce_out)
-        return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+        return sum(t.untyped_storage().nbytes() for t in (self.params, self.grads.tensor))
+
+
+@dataclass
+class CommScratch:
+    """Staging for the collectives of every unit of one root with the same dtypes and group: the
+    all-gather's output (compute dtype) and the reduce-scatter's input and output (reduce dtype),
+    in the gathered (rank-major) layout. All-gathers run one after another on one stream, and so
+    do reduce-scatters, so one set serves every unit; it is sized for the largest."""
+
+    gathered_numel: int
+    shard_numel: int
+    dtypes: BufferDtypes
+    device: torch.device
+    gather: torch.Tensor | None = None
+    reduce_in: torch.Tensor | None = None
+    reduce_out: torch.Tensor | None = None
+
+    @torch.inference_mode(False)
+    def allocate(self) -> None:
+        if self.gather is None:
+            self.gather = torch.empty(self.gathered_numel, dtype=self.dtypes.compute, device=self.device)
+            self.reduce_in = torch.empty(self.gathered_numel, dtype=self.dtypes.reduce, device=self.device)
+            self.reduce_out = torch.empty(self.shard_numel, dtype=self.dtypes.reduce, device=self.device)
 
 
 @dataclass(frozen=True)
@@ -88,7 +106,6 @@ class SlotPool:
     """Two slots shared by the leaf units of one root with the same dtypes and group size."""
 
     numel: int
-    shard_numel: int
     dtypes: BufferDtypes
     device: torch.device
     slots: list[FlatBuffers] = field(default_factory=list)
@@ -98,7 +115,7 @@ class SlotPool:
         """The slot for the next unit in execution order (allocated on first use)."""
         if not self.slots:
             self.slots = [
-                FlatBuffers.allocate(self.numel, self.shard_numel, self.dtypes, self.device) for _ in range(2)
+                FlatBuffers.allocate(self.numel, self.dtypes, self.device) for _ in range(2)
             ]
         slot = self.slots[self._next]
         self._next ^= 1
@@ -109,7 +126,7 @@ class SlotPool:
 class PlacementRequest:
     """What the plan needs to know of one unit."""
 
-    numel: int  # padded flat size
+    numel: int  # unsharded buffer size
     world_size: int
     dtypes: BufferDtypes
     device: torch.device
@@ -118,6 +135,7 @@ class PlacementRequest:
     persist_buffer_on_alloc_fail: bool
     has_inner_units: bool
     reshard_after_forward: bool = True  # False: kept gathered until backward, so no slot to share
+    gathered_numel: int = 0  # its all-gather output / reduce-scatter input (``flat_layout.py``)
 
     @property
     def pool_key(self) -> tuple:
@@ -137,8 +155,8 @@ def plan_placements(requests: list[PlacementRequest]) -> list[tuple[Placement, S
     pools: dict[tuple, SlotPool] = {}
     for key, counts in sizes.items():
         slot_numel = max(counts, key=lambda n: (counts[n], n))  # most common size; ties: the larger
-        dtypes, device, world_size, _ = key
-        pools[key] = SlotPool(slot_numel, slot_numel // world_size, dtypes, device)
+        dtypes, device, _, _ = key
+        pools[key] = SlotPool(slot_numel, dtypes, device)
 
     plan: list[tuple[Placement, SlotPool | None]] = []
     for r in requests:
@@ -152,3 +170,13 @@ def plan_placements(requests: list[PlacementRequest]) -> list[tuple[Placement, S
         else:
             plan.append((Placement.DYNAMIC, None))
     return plan
+
+
+def plan_scratch(requests: list[PlacementRequest]) -> list[CommScratch]:
+    """Every unit's collective staging, in the order of ``requests``: one per pool key, for the largest."""
+    scratch: dict[tuple, CommScratch] = {}
+    for r in requests:
+        s = scratch.setdefault(r.pool_key, CommScratch(0, 0, r.dtypes, r.device))
+        s.gathered_numel = max(s.gathered_numel, r.gathered_numel)
+        s.shard_numel = s.gathered_numel // r.world_size
+    return [scratch[r.pool_key] for r in requests]

@@ -1,4 +1,9 @@
-"""Gradient-norm clipping over sharded gradients: the norm of the *full* gradient."""
+"""Gradient-norm clipping over sharded gradients: the norm of the *full* gradient.
+
+torch's ``clip_grad_norm_(model.parameters(), ...)`` gives the same result on the DTensor masters;
+this one works on their local tensors (no DTensor dispatch) and can be captured in a whole-step
+graph.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .collectives import all_reduce
+from .mesh import local_tensor
 from .registry import units_in
 
 
@@ -37,8 +43,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     group = next(iter(groups.values()), None)
     master_ids = {id(p.master) for u in units for p in u.params}
     params = [q for q in model.parameters() if q.grad is not None]
-    sharded = [q.grad for q in params if id(q) in master_ids]
-    replicated = [q.grad for q in params if id(q) not in master_ids]
+    sharded = [local_tensor(q.grad) for q in params if id(q) in master_ids]
+    replicated = [local_tensor(q.grad) for q in params if id(q) not in master_ids]
     device = params[0].grad.device if params else torch.device("cpu")
     zero = torch.zeros((), dtype=torch.float32, device=device)
 

@@ -1,7 +1,7 @@
 """FSDP2's ``fully_shard`` options, mapped onto this package's, or refused with the fix named.
 
-* ``mesh`` (1-D ``DeviceMesh``): shard over ``mesh.get_group()``. A 2-D mesh (HSDP) is refused
-  for now.
+* ``mesh``: a 1-D ``DeviceMesh`` shards over its group; a 2-D ``(replicate, shard)`` mesh is HSDP
+  (``mesh.py``). The masters are DTensors on that mesh, as FSDP2's.
 * ``reshard_after_forward=True`` (and ``None``, the default): reshard after forward. ``None`` is
   ``True`` here: the root, which FSDP2's ``None`` keeps unsharded, has a dedicated buffer that
   backward never gathers again anyway.
@@ -32,24 +32,20 @@ from .mixed_precision import MixedPrecisionPolicy
 
 @dataclass(frozen=True)
 class Options:
+    mesh: object  # a DeviceMesh or None
     process_group: dist.ProcessGroup | None
     reshard_after_forward: bool
     mp_policy: MixedPrecisionPolicy
     ignored_params: tuple  # left unsharded and unmanaged by this and every later fully_shard
 
 
-def _group_of(mesh, process_group):
+def _check_mesh(mesh, process_group) -> None:
     if mesh is None:
-        return process_group
+        return
     if process_group is not None:
         raise ValueError("fully_shard: pass mesh= or process_group=, not both (a 1-D mesh is a process group)")
-    if getattr(mesh, "ndim", None) != 1:
-        raise ValueError(
-            f"fully_shard: mesh has {getattr(mesh, 'ndim', '?')} dimensions; fsdp_graph shards over a 1-D mesh "
-            "for now. HSDP (a 2-D (replicate, shard) mesh) is not supported yet: pass the shard dimension's "
-            "1-D mesh (mesh['shard']) to shard within it, or shard over the whole world with a 1-D mesh."
-        )
-    return mesh.get_group()
+    if not hasattr(mesh, "ndim") or not hasattr(mesh, "get_group"):
+        raise TypeError(f"fully_shard: mesh must be a torch.distributed.DeviceMesh, got {type(mesh).__name__}")
 
 
 def _reshard_after_forward(value) -> bool:
@@ -81,7 +77,8 @@ def resolve_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, 
             "flat buffer and sharded evenly across ranks. Drop shard_placement_fn."
         )
     _check_offload(offload_policy)
-    return Options(_group_of(mesh, process_group), _reshard_after_forward(reshard_after_forward),
+    _check_mesh(mesh, process_group)
+    return Options(mesh, process_group, _reshard_after_forward(reshard_after_forward),
                    MixedPrecisionPolicy.of(mp_policy), tuple(ignored_params or ()))
 
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .distributed import resolve_group
 from .fsdp_options import Options, list_of_modules, resolve_options
 from .hooks import register_unit_hooks, run_as_forward
+from .mesh import ShardMesh, resolve_mesh
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ShardState
 from .registry import ENCLOSING_ATTR, ROOT_ATTR, UNIT_ATTR, pinned_by, root_of, unit_of, units_in
@@ -83,6 +83,18 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2's scripts: FSDP2 skips waiting for the last reduce-scatters when
         False. Here the end of every backward joins them, which is correct either way."""
+
+    def _apply(self, fn, recurse: bool = True):
+        """``to_empty(device=...)`` (meta-device initialisation, as in FSDP2), ``.to(device)``,
+        ``.cuda()``: torch swaps the sharded parameters' tensors for new ones; this unit takes their
+        values back into its master shard and re-points them, so the masters stay views of it (and
+        on the unit's device). Dtype changes are refused (``ShardedParam.reattach``)."""
+        unit = unit_of(self)
+        unit.require_idle(f"{type(self).__name__}._apply (to_empty, .to, .cuda)")
+        result = super()._apply(fn, recurse)
+        unit.param_group.reattach_masters()
+        unit.grads.reattach()
+        return result
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -153,22 +165,24 @@ def _param_refs(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Mod
 
 
 def _choose_device(module: nn.Module, group: dist.ProcessGroup | None) -> torch.device:
+    """NCCL: the current CUDA device. Otherwise the parameters' device; for a meta-device model
+    (initialised after ``to_empty``, see ``FSDPModule._apply``), gloo's CPU, or without a process
+    group the current CUDA device when there is one."""
     if group is not None and "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     for param in module.parameters():
-        if param.device.type == "meta":
-            raise ValueError(
-                "fully_shard: parameters are on the meta device; materialise them first "
-                "(module.to_empty(device=...) and re-initialise) before fully_shard"
-            )
-        return param.device
+        if param.device.type != "meta":
+            return param.device
+        if group is None and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        break
     return torch.device("cpu")
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for name, buf in sub._buffers.items():
-            if buf is not None and buf.device != device:
+            if buf is not None and buf.device != device and not buf.is_meta:  # to_empty materialises meta ones
                 sub._buffers[name] = buf.to(device)
 
 
@@ -176,7 +190,7 @@ def _build_unit(
     module: nn.Module,
     refs: list[tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]],
     config: UnitConfig,
-    group: dist.ProcessGroup | None,
+    mesh: ShardMesh,
     device: torch.device,
 ) -> FSDPUnit:
     """Make ``module`` a unit owning the parameters all of whose references lie in its subtree
@@ -201,7 +215,7 @@ def _build_unit(
         prefix = next((name for name, m in module.named_modules() if m is places[0][0]), "")
         name = f"{prefix}.{places[0][1]}" if prefix else places[0][1]
         owned.append((name, param, [(m, attr) for m, attr, _ in places]))
-    unit = FSDPUnit(module, owned, config, group, device, class_name=_original_class(module).__name__)
+    unit = FSDPUnit(module, owned, config, mesh, device, class_name=_original_class(module).__name__)
     module.__dict__[UNIT_ATTR] = unit
     module.__dict__[_HOOKS_ATTR] = register_unit_hooks(module)
     _swap_class(module)
@@ -310,8 +324,8 @@ def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist
             "transformer block) first, then the root."
         )
     _refuse_if_pinned(module)
-    group = resolve_group(options.process_group)
-    device = _choose_device(module, group)
+    mesh = resolve_mesh(options.mesh, options.process_group)
+    device = _choose_device(module, mesh.shard_group)
     _move_buffers(module, device)
     config = UnitConfig(options.mp_policy, double_buffer, persist_buffer_on_alloc_fail, options.reshard_after_forward)
     for param in options.ignored_params:
@@ -334,12 +348,12 @@ def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist
         for unit in sorted(crossing, key=lambda u: -_depth(u.module, module)):
             # Innermost first; each rebuilt unit is linked at once, so it has a live root even if
             # building the enclosing unit below fails.
-            rebuilt = _build_unit(unit.module, refs, unit.config, unit.group, unit.device)
+            rebuilt = _build_unit(unit.module, refs, unit.config, unit.mesh, unit.device)
             rebuilt.requires_gradient_sync = unit.requires_gradient_sync
             rebuilt.grads.divide_factor = unit.grads.divide_factor
             _link(rebuilt)
             refs = _param_refs(module)
 
-    unit = _build_unit(module, refs, config, group, device)
+    unit = _build_unit(module, refs, config, mesh, device)
     _link(unit)
     return module

@@ -6,9 +6,11 @@ a tensor of its own: gradient addresses are fixed. The buffer is the unit's grad
 to its parameter buffer), or, while gradients accumulate without synchronisation (``no_sync``), a
 per-unit accumulation buffer that keeps its sum until the next synchronised backward.
 
-After the backward, ``reduce`` reduce-scatters the target in ``reduce_dtype`` (through a staging
-copy when that differs from the compute dtype) and averages the result into the masters'
-``.grad``, which are views of ``sharded_flat`` (accumulated if already set, as autograd does).
+After the backward, ``reduce`` copies the target into the shared reduce staging in rank order,
+casting to ``reduce_dtype`` (one ``_chunk_cat`` kernel), reduce-scatters it, all-reduces across
+HSDP replicas, and averages the result into the masters' ``.grad`` (accumulated if already set,
+as autograd does). Each ``.grad`` is the master's kind (a ``Shard(0)`` DTensor, or plain without
+a mesh) over this rank's rows in ``sharded_flat``, created once.
 """
 
 from __future__ import annotations
@@ -19,22 +21,25 @@ from itertools import repeat
 import torch
 import torch.distributed as dist
 
-from .buffers import FlatBuffers, GradBuffer
-from .collectives import CommStreams, reduce_scatter_sum
+from .buffers import CommScratch, FlatBuffers, GradBuffer
+from .collectives import CommStreams, all_reduce, reduce_scatter_sum
 from .flat_layout import FlatLayout
+from .mesh import ShardMesh, local_tensor
 from .sharded_param import ShardedParam
 
 
 class UnitGradients:
     def __init__(self, params: list[ShardedParam], layout: FlatLayout, compute_dtype: torch.dtype,
-                 master_flat: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> None:
+                 master_flat: torch.Tensor, mesh: ShardMesh) -> None:
         self.params = params
         self.layout = layout
         self.compute_dtype = compute_dtype
-        self.group = group
-        self.world_size = world_size
+        self.group: dist.ProcessGroup | None = mesh.shard_group
+        self.replicate_group: dist.ProcessGroup | None = mesh.replicate_group
+        self.world_size = layout.world_size * mesh.replicate_size  # the data-parallel ranks averaged over
         self.sharded_flat = torch.zeros_like(master_flat)
-        self._sharded_views = layout.piece_views(self.sharded_flat)
+        self._local_views = layout.local_views(self.sharded_flat)
+        self._sharded_views = [p.wrap(v) for p, v in zip(params, self._local_views)]  # the masters' .grad
         self.trainable: list[int] = []
         self._masters: list[torch.Tensor] = []  # of the trainable parameters, and their sharded views
         self._trainable_views: list[torch.Tensor] = []
@@ -64,18 +69,18 @@ class UnitGradients:
             target, views = buffers.grads, self._views_into(buffers)
         if not (accumulate and self.accumulation_pending):
             target.wait_until_reduced()
-            target.tensor[: self.layout.padded_numel].zero_()
+            target.tensor[: self.layout.unsharded_numel].zero_()
         for i in self.trainable:
             self.params[i].unsharded.grad = views[i]
         self._target = target
 
-    def finish(self, buffers: FlatBuffers, streams: CommStreams, sync: bool) -> None:
+    def finish(self, buffers: FlatBuffers, scratch: CommScratch, streams: CommStreams, sync: bool) -> None:
         """After the backward: reduce (``sync``) or keep the sum for the next synchronised backward."""
         target, self._target = self._target, None
         if target is None:
             return
         if sync:
-            self._reduce(target, buffers, streams)
+            self._reduce(target, scratch, streams)
             self.accumulation_pending = False
         else:
             self.accumulation_pending = True
@@ -86,7 +91,7 @@ class UnitGradients:
 
     def _views_into(self, buffers: FlatBuffers) -> list[torch.Tensor]:
         if buffers is not self._views_of:
-            self._views = self.layout.param_views(buffers.grads.tensor[: self.layout.padded_numel])
+            self._views = self.layout.param_views(buffers.grads.tensor[: self.layout.unsharded_numel])
             self._views_of = buffers
         return self._views
 
@@ -94,22 +99,22 @@ class UnitGradients:
         if self._accum is None:
             with torch.inference_mode(False):
                 tensor = torch.zeros(
-                    self.layout.padded_numel, dtype=self.compute_dtype, device=self.sharded_flat.device
+                    self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.sharded_flat.device
                 )
             self._accum = GradBuffer(tensor)
             self._accum_views = self.layout.param_views(tensor)
         return self._accum
 
-    def _reduce(self, target: GradBuffer, buffers: FlatBuffers, streams: CommStreams) -> None:
-        n = self.layout.padded_numel
+    def _reduce(self, target: GradBuffer, scratch: CommScratch, streams: CommStreams) -> None:
+        layout = self.layout
         with streams.enter(streams.reduce):
-            grads = target.tensor[:n]
-            if buffers.reduce_in is not None:
-                grads = buffers.reduce_in[:n].copy_(grads)
-            reduced = buffers.reduce_out[: self.layout.shard_numel]
+            grads = scratch.reduce_in[: layout.gathered_numel]
+            layout.copy_in(target.tensor[: layout.unsharded_numel], grads)
+            target.reduce_done = streams.record(streams.reduce)  # the target is free again
+            reduced = scratch.reduce_out[: layout.shard_numel]
             reduce_scatter_sum(reduced, grads, self.group)
+            all_reduce(reduced, self.replicate_group)
             self._accumulate_sharded(reduced)
-            target.reduce_done = streams.record(streams.reduce)
 
     def _accumulate_sharded(self, reduced: torch.Tensor) -> None:
         """master.grad (+)= reduced / world_size, as autograd would accumulate into ``.grad``."""
@@ -126,11 +131,11 @@ class UnitGradients:
         else:
             for master, grad, view, i in zip(masters, current, views, self.trainable):
                 span = self.layout.spans[i]
-                piece = reduced.narrow(0, span.shard_start, span.piece_numel)
+                piece = reduced.narrow(0, span.shard_offset, span.local_rows * span.row_numel).view(span.local_shape)
                 if grad is None:
-                    master.grad = view.zero_()
-                    grad = view
-                grad.add_(piece, alpha=scale)
+                    self._local_views[i].zero_()
+                    master.grad = grad = view
+                local_tensor(grad).add_(piece, alpha=scale)
 
     # -- between steps ----------------------------------------------------------------------
     def clear(self) -> None:
@@ -146,6 +151,21 @@ class UnitGradients:
             master, view = self.params[i].master, self._sharded_views[i]
             if master.grad is not view:
                 master.grad = view
+
+    def reattach(self) -> None:
+        """After ``Module._apply`` swapped the masters' ``.grad`` tensors: values back into
+        ``sharded_flat``, and each ``.grad`` a view of it again (see ``ShardedParam.reattach``)."""
+        for param, view in zip(self.params, self._local_views):
+            grad = param.master.grad
+            found = None if grad is None else local_tensor(grad)
+            if found is None or found.data_ptr() == view.data_ptr() or not view.numel():
+                continue
+            with torch.no_grad():
+                view.copy_(found)
+            if grad is not found:
+                grad._local_tensor = view
+            else:
+                grad.data = view
 
     def forget_events(self, buffers: FlatBuffers | None) -> None:
         for buffer in (buffers.grads if buffers is not None else None, self._accum):

@@ -14,8 +14,9 @@ may still be in flight: ``use`` makes the compute stream wait for it); UNSHARDED
 modules compute with them. A slot is shared by two units: a unit takes it with ``_acquire``,
 which evicts the other one (refused while the other one is UNSHARDED).
 
-Unshard casts the master shard into this rank's region of the buffer and all-gathers in place,
-on the all-gather stream; no allocation, no copy-out.
+Unshard casts the master shard into this rank's part of the shared gather buffer, all-gathers in
+place, and copies the result out into the unit's persistent buffer (one kernel:
+``FlatLayout.copy_out``), all on the all-gather stream, with no allocation.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .buffers import BufferDtypes, FlatBuffers, Placement, SlotPool
+from .buffers import BufferDtypes, CommScratch, FlatBuffers, Placement, SlotPool
 from .collectives import CommStreams, all_gather_inplace
 from .flat_layout import FlatLayout
+from .mesh import ShardMesh
 from .sharded_param import ShardedParam, alias
 
 
@@ -44,34 +46,36 @@ HOLDS_DATA = (ShardState.PREFETCHED, ShardState.GATHERED)
 
 class ParamGroup:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
-                 dtypes: BufferDtypes, master_dtype: torch.dtype, group: dist.ProcessGroup | None,
-                 world_size: int, rank: int, device: torch.device) -> None:
+                 dtypes: BufferDtypes, master_dtype: torch.dtype, mesh: ShardMesh, device: torch.device) -> None:
         self.name = name  # the unit's, for messages (renamed once the tree is known)
         self.dtypes = dtypes
-        self.group = group
+        self.group: dist.ProcessGroup | None = mesh.shard_group
         self.device = device
+        rank, world_size = mesh.shard_rank_and_size
         self.layout = FlatLayout([p.shape for _, p, _ in params], world_size, rank)
         self.master_flat = torch.zeros(self.layout.shard_numel, dtype=master_dtype, device=device)
-        pieces = self.layout.piece_views(self.master_flat)
-        self.params = [ShardedParam(name, refs, p, piece, span)
-                       for (name, p, refs), piece, span in zip(params, pieces, self.layout.spans)]
+        locals_ = self.layout.local_views(self.master_flat)
+        self.params = [ShardedParam(name, refs, p, local, span, mesh)
+                       for (name, p, refs), local, span in zip(params, locals_, self.layout.spans)]
         self.use_masters()
         self.state = ShardState.SHARDED
         self.placement: Placement | None = None
         self.buffers: FlatBuffers | None = None  # a slot is taken at the first unshard
+        self.scratch: CommScratch | None = None
         self._pool: SlotPool | None = None
         self._streams: CommStreams | None = None
         self._param_flat: torch.Tensor | None = None
         self._unshard_event = None
 
     # -- placement ------------------------------------------------------------------------
-    def bind(self, placement: Placement, pool: SlotPool | None, streams: CommStreams) -> None:
+    def bind(self, placement: Placement, pool: SlotPool | None, scratch: CommScratch, streams: CommStreams) -> None:
         """Take the placement the root planned (at its lazy init; again after a re-plan)."""
-        self.placement, self._pool, self._streams = placement, pool, streams
+        self.placement, self._pool, self.scratch, self._streams = placement, pool, scratch, streams
         self.buffers, self.state, self._unshard_event = None, ShardState.SHARDED, None
+        if self.layout.shard_numel:
+            scratch.allocate()
         if placement is not Placement.SLOT:
-            n = self.layout.padded_numel
-            self._bind_buffers(FlatBuffers.allocate(n, self.layout.shard_numel, self.dtypes, self.device))
+            self._bind_buffers(FlatBuffers.allocate(self.layout.unsharded_numel, self.dtypes, self.device))
         if placement is Placement.DYNAMIC:
             self._free_dynamic()
 
@@ -84,15 +88,13 @@ class ParamGroup:
     def _bind_buffers(self, buffers: FlatBuffers) -> None:
         """Point the unsharded parameters at ``buffers`` (created at the first bind, then re-pointed)."""
         self.buffers = buffers
-        self._param_flat = buffers.params[: self.layout.padded_numel]
+        self._param_flat = buffers.params[: self.layout.unsharded_numel]
         for param, view in zip(self.params, self.layout.param_views(alias(self._param_flat))):
             param.bind(view)
 
     def _dynamic_storages(self):
         b, streams = self.buffers, self._streams
-        pairs = ((b.params, streams.all_gather), (b.grads.tensor, streams.reduce),
-                 (b.reduce_in, streams.reduce), (b.reduce_out, streams.reduce))
-        return [(t, stream) for t, stream in pairs if t is not None]
+        return [(b.params, streams.all_gather), (b.grads.tensor, streams.reduce)]
 
     def _free_dynamic(self) -> None:
         """Dynamic placement, at reshard: give the memory back. The storage objects stay, so every
@@ -136,11 +138,13 @@ class ParamGroup:
     def _issue_unshard(self, prefetch: bool) -> bool:
         if not self._acquire(prefetch):
             return False
-        streams = self._streams
-        if self.layout.padded_numel:
+        streams, layout = self._streams, self.layout
+        if layout.shard_numel:
             with streams.enter(streams.all_gather):
-                self.layout.shard_slice(self._param_flat).copy_(self.master_flat)
-                all_gather_inplace(self._param_flat, self.layout.shard_numel, self.group)
+                gathered = self.scratch.gather[: layout.gathered_numel]
+                gathered.narrow(0, layout.rank * layout.shard_numel, layout.shard_numel).copy_(self.master_flat)
+                all_gather_inplace(gathered, layout.shard_numel, self.group)
+                layout.copy_out(gathered, self._param_flat)
                 self._unshard_event = streams.record(streams.all_gather)
         return True
 
@@ -208,11 +212,12 @@ class ParamGroup:
     # -- full parameters (state dicts, re-planning) ---------------------------------------
     def full_params(self) -> list[torch.Tensor]:
         """Every parameter's full value, in its original shape and dtype (a collective)."""
-        full = torch.zeros(self.layout.padded_numel, dtype=self.master_flat.dtype, device=self.device)
+        layout = self.layout
+        gathered = torch.zeros(layout.gathered_numel, dtype=self.master_flat.dtype, device=self.device)
         with torch.no_grad():
-            self.layout.shard_slice(full).copy_(self.master_flat)
-            all_gather_inplace(full, self.layout.shard_numel, self.group)
-        return [view.to(p.dtype, copy=True) for view, p in zip(self.layout.param_views(full), self.params)]
+            gathered.narrow(0, layout.rank * layout.shard_numel, layout.shard_numel).copy_(self.master_flat)
+            all_gather_inplace(gathered, layout.shard_numel, self.group)
+        return [full.to(p.dtype) for full, p in zip(layout.full_from_gathered(gathered), self.params)]
 
     def load_full_param(self, index: int, value: torch.Tensor, key: str) -> None:
         span = self.layout.spans[index]
@@ -221,6 +226,13 @@ class ParamGroup:
                 f"load_full_state_dict: '{key}' has shape {tuple(value.shape)} but the model's parameter "
                 f"has shape {tuple(span.shape)}"
             )
-        piece = value.detach().reshape(-1)[span.piece_start : span.piece_start + span.piece_numel]
         with torch.no_grad():
-            self.params[index].master.copy_(piece)
+            self.params[index].local.copy_(value.detach().narrow(0, span.row_start, span.local_rows))
+
+    def reattach_masters(self) -> None:
+        """After ``Module._apply`` swapped the masters' tensors (``to_empty`` of a meta-device model,
+        ``.to(device)``): their values go back into ``master_flat`` (``ShardedParam.reattach``)."""
+        if any(p.moved() for p in self.params):
+            self.drop()  # the gathered copy, if any, is stale
+            for param in self.params:
+                param.reattach()

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .buffers import plan_placements
+from .buffers import plan_placements, plan_scratch
 from .collectives import CommStreams
 from .order import ExecutionOrder
 from .training_state import TrainingState
@@ -45,8 +45,8 @@ class RootContext:
         streams = CommStreams(self.root.device)
         with_inner = {id(u.parent) for u in self.units if u.parent is not None}
         requests = [u.placement_request(id(u) in with_inner) for u in self.units]
-        for unit, (placement, pool) in zip(self.units, plan_placements(requests)):
-            unit.bind(placement, pool, streams, self.order)
+        for unit, (placement, pool), scratch in zip(self.units, plan_placements(requests), plan_scratch(requests)):
+            unit.bind(placement, pool, scratch, streams, self.order)
         self.streams = streams  # only now: a failed init (out of memory, say) is tried again next step
 
     # -- hook entry points ----------------------------------------------------------------

@@ -1,8 +1,10 @@
 """One original parameter of a unit: where modules hold it, its master shard, its unsharded form.
 
-* The **master** is this rank's piece of the parameter: a 1-D ``nn.Parameter`` view of the unit's
-  fp32 (or wider) ``master_flat``. It replaces the parameter in every module that referenced it,
-  under the original name, so the optimizer sees it.
+* The **master** is this rank's rows of the parameter (``flat_layout.py``), stored in the unit's
+  fp32 (or wider) ``master_flat`` and presented as FSDP2 presents it: an ``nn.Parameter`` DTensor of
+  the global shape, ``Shard(0)`` over the unit's mesh (``mesh.py``), whose local tensor is that
+  view of ``master_flat``. It replaces the parameter in every module that referenced it, under the
+  original name, so the optimizer, torch's clipping and DCP see it.
 * The **unsharded** parameter is a full-shape ``nn.Parameter`` view of the unit's persistent
   parameter buffer, created once and the same object (at the same address, except for dynamic
   placement) forever. It is swapped into the modules for compute and swapped out at reshard.
@@ -18,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from .flat_layout import ParamSpan
+from .mesh import ShardMesh, local_tensor
 
 MASTER_TAG = "_fsdp_graph_master_of"  # on every master parameter: weakref to its unit
 REPLACED_TAG = "_fsdp_graph_replaced_by"  # on an original parameter: weakref to the unit that sharded it
@@ -53,20 +56,54 @@ def alias(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedParam:
-    __slots__ = ("name", "refs", "dtype", "requires_grad", "master", "master_ptr", "original", "unsharded")
+    __slots__ = ("name", "refs", "dtype", "requires_grad", "local", "local_ptr", "master", "original", "unsharded",
+                 "span", "mesh")
 
     def __init__(self, name: str, refs: list[tuple[nn.Module, str]], original: nn.Parameter,
-                 master_piece: torch.Tensor, span: ParamSpan) -> None:
+                 local: torch.Tensor, span: ParamSpan, mesh: ShardMesh) -> None:
         self.name = name
         self.refs = refs  # (module, attribute) of every place that held the original
         self.dtype = original.dtype
         self.requires_grad = original.requires_grad
         self.original = weakref.ref(original)  # to recognise ties that cross unit boundaries
-        with torch.no_grad():
-            master_piece.copy_(original.detach().reshape(-1)[span.piece_start : span.piece_start + span.piece_numel])
-        self.master = nn.Parameter(master_piece, requires_grad=self.requires_grad)
-        self.master_ptr = self.master.data_ptr()
+        self.span, self.mesh = span, mesh
+        self.local = local  # this rank's rows: a view of master_flat
+        if not original.is_meta:  # meta: the model's own init fills the masters after to_empty
+            with torch.no_grad():
+                local.copy_(original.detach().narrow(0, span.row_start, span.local_rows))
+        self.master = nn.Parameter(mesh.wrap(local, span.shape), requires_grad=self.requires_grad)
+        self.local_ptr = local.data_ptr() if local.numel() else None  # to notice a replaced tensor
         self.unsharded: nn.Parameter | None = None
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """A tensor of this rank's rows (a gradient) as the master's kind: DTensor or plain."""
+        return self.mesh.wrap(local, self.span.shape)
+
+    def reattach(self) -> torch.Tensor | None:
+        """After ``Module._apply`` (``to_empty``, ``.to(device)``): the master's tensor is no longer the
+        view of ``master_flat``; copy its values there and point the master back at the view (the
+        unit keeps the device of its process group). Returns the tensor found (None: it was the view)."""
+        found = local_tensor(self.master)
+        if not self.moved():
+            return None
+        if found.dtype != self.local.dtype or found.shape != self.local.shape:
+            raise RuntimeError(
+                f"parameter '{self.name}' changed to dtype {found.dtype} / shape {tuple(found.shape)}: the sharded "
+                f"parameters of a fully_shard-ed module stay {self.local.dtype} (the master copy). Set compute "
+                "dtypes with fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)), not .to(dtype)."
+            )
+        if not found.is_meta:  # the values stay; the unit stays on its process group's device
+            with torch.no_grad():
+                self.local.copy_(found)
+        if self.master is not found:  # a DTensor: re-point its local tensor, as FSDP2 does
+            self.master._local_tensor = self.local
+        else:
+            self.master.data = self.local
+        return found
+
+    def moved(self) -> bool:
+        """Whether the master's memory is no longer its view of ``master_flat``."""
+        return self.local_ptr is not None and local_tensor(self.master).data_ptr() != self.local_ptr
 
     def tag(self, unit) -> None:
         """Let ``master_owner`` / ``replaced_by`` find ``unit`` from the master and the original."""
@@ -93,7 +130,7 @@ class ShardedParam:
             current = module._parameters.get(attr)
             if current is not master and current is not unsharded:
                 self._replaced(unit_name)
-        if master.data_ptr() != self.master_ptr and master.numel():
+        if self.local_ptr is not None and local_tensor(master).data_ptr() != self.local_ptr:
             self._replaced(unit_name)
         for module, attr in self.refs:
             module._parameters[attr] = unsharded

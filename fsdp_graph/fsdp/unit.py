@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .buffers import BufferDtypes, Placement, PlacementRequest, SlotPool
+from .buffers import BufferDtypes, CommScratch, Placement, PlacementRequest, SlotPool
 from .collectives import CommStreams
-from .distributed import group_rank_and_size
 from .gradients import UnitGradients
+from .mesh import ShardMesh
 from .mixed_precision import MixedPrecisionPolicy
 from .order import ExecutionOrder
 from .param_group import HOLDS_DATA, ParamGroup, ShardState
@@ -49,6 +49,12 @@ class UnitConfig:
 def _dtypes(name: str, params: list[tuple[str, nn.Parameter, list]], policy: MixedPrecisionPolicy):
     """(compute, reduce, master) dtypes, or an error naming the parameter and the fix."""
     for pname, p, _ in params:
+        if p.ndim == 0:
+            raise ValueError(
+                f"FSDP unit {name}: parameter '{pname}' is a 0-d (scalar) tensor; fully_shard shards parameters "
+                "by rows, as FSDP2 does (which refuses scalars too). Make it a 1-D tensor of one element, e.g. "
+                "nn.Parameter(value.reshape(1))."
+            )
         if not p.dtype.is_floating_point:
             raise TypeError(
                 f"FSDP unit {name}: parameter '{pname}' has dtype {p.dtype}; fully_shard shards "
@@ -73,20 +79,18 @@ def _dtypes(name: str, params: list[tuple[str, nn.Parameter, list]], policy: Mix
 
 class FSDPUnit:
     def __init__(self, module: nn.Module, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
-                 config: UnitConfig, group: dist.ProcessGroup | None, device: torch.device,
-                 class_name: str | None = None) -> None:
+                 config: UnitConfig, mesh: ShardMesh, device: torch.device, class_name: str | None = None) -> None:
         self.module = module
         self.class_name = class_name or type(module).__name__
         self.config = config
-        self.group = group
+        self.mesh = mesh
+        self.group: dist.ProcessGroup | None = mesh.shard_group
         self.device = device
-        rank, self.world_size = group_rank_and_size(group)
+        self.world_size = mesh.shard_rank_and_size[1]
         compute, reduce, master = _dtypes(self.class_name, params, config.mp_policy)
         self.compute_dtype = compute
-        self.param_group = ParamGroup(self.class_name, params, BufferDtypes(compute, reduce), master, group,
-                                      self.world_size, rank, device)
-        self.grads = UnitGradients(self.params, self.param_group.layout, compute, self.param_group.master_flat,
-                                   group, self.world_size)
+        self.param_group = ParamGroup(self.class_name, params, BufferDtypes(compute, reduce), master, mesh, device)
+        self.grads = UnitGradients(self.params, self.param_group.layout, compute, self.param_group.master_flat, mesh)
         for param in self.params:
             param.tag(self)
         self.name = self.class_name  # fully_shard renames it to "<path> (<class>)" once the tree is known
@@ -121,13 +125,14 @@ class FSDPUnit:
     # -- lazy init, by the root -----------------------------------------------------------
     def placement_request(self, has_inner_units: bool) -> PlacementRequest:
         layout, config = self.param_group.layout, self.config
-        return PlacementRequest(layout.padded_numel, self.world_size, self.param_group.dtypes, self.device,
+        return PlacementRequest(layout.unsharded_numel, self.world_size, self.param_group.dtypes, self.device,
                                 id(self.group), config.double_buffer, config.persist_buffer_on_alloc_fail,
-                                has_inner_units, config.reshard_after_forward)
+                                has_inner_units, config.reshard_after_forward, layout.gathered_numel)
 
-    def bind(self, placement: Placement, pool: SlotPool | None, streams: CommStreams, order: ExecutionOrder) -> None:
+    def bind(self, placement: Placement, pool: SlotPool | None, scratch: CommScratch, streams: CommStreams,
+             order: ExecutionOrder) -> None:
         self._streams, self._order = streams, order
-        self.param_group.bind(placement, pool, streams)
+        self.param_group.bind(placement, pool, scratch, streams)
 
     def take_slot(self) -> None:
         self.param_group.take_slot()
@@ -195,7 +200,8 @@ class FSDPUnit:
 
     def post_backward(self) -> None:
         check_transition(self.name, "post_backward", self.state, (TrainingState.BACKWARD,))
-        self.grads.finish(self.param_group.buffers, self._streams, self.requires_gradient_sync)
+        group = self.param_group
+        self.grads.finish(group.buffers, group.scratch, self._streams, self.requires_gradient_sync)
         self._post_backward_from_params = False
         self.param_group.reshard()
         self.param_group.drop()  # the optimizer changes the masters next
