@@ -54,17 +54,24 @@ def fsdp2_script(info, library: str) -> tuple[list, list, dict]:
             module.set_gradient_divide_factor(2.0 * info.world_size)  # half the mean gradient
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (FSDP2's default)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1], model.blocks[2]])  # explicit prefetch
+    model.blocks[3].set_modules_to_backward_prefetch([model.blocks[2], model.blocks[1]])
     losses, norms = [], []
     for step in range(STEPS):
         model.set_is_last_backward(True)
         idx, targets = global_batch(step, info.world_size, info.device)
-        logits = model(local_part(idx, info.rank, info.world_size))
-        loss = F.cross_entropy(logits.flatten(0, 1), local_part(targets, info.rank, info.world_size).flatten())
-        loss.backward()
+        idx, targets = local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size)
+        for micro in range(2):  # gradient accumulation: sync and reshard only after the last one
+            last = micro == 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            logits = model(idx.chunk(2)[micro])
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.chunk(2)[micro].flatten()) / 2
+            loss.backward()
+            losses.append(loss.detach().clone())
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).full_tensor()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.detach().clone())
         norms.append(norm.detach().clone())
     return losses, norms, initial
 
@@ -163,23 +170,17 @@ def _meshes(info) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(info.device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
-    with pytest.raises(ValueError, match=r"mesh has 2 dimensions.*HSDP.*mesh\['shard'\]"):
-        fsdp_graph.fully_shard(nn.Linear(2, 2).to(info.device), mesh=mesh)
     with pytest.raises(ValueError, match="mesh= or process_group=, not both"):
         fsdp_graph.fully_shard(nn.Linear(2, 2).to(info.device), mesh=mesh["shard"],
                                process_group=mesh["shard"].get_group())
-    # The fix the message names: shard within the 1-D shard dimension (2 ranks of the 4).
-    torch.manual_seed(0)
-    layer = nn.Linear(8, 8).to(info.device)
-    reference = nn.Linear(8, 8).to(info.device)
-    reference.load_state_dict(layer.state_dict())
-    fsdp_graph.fully_shard(layer, mesh=mesh["shard"])
-    assert layer.fsdp_unit.world_size == 2
-    x = torch.randn(2, 8, device=info.device)
-    torch.testing.assert_close(layer(x), reference(x))
+    cube = init_device_mesh(info.device.type, (1, 2, 2))
+    with pytest.raises(ValueError, match="mesh has 3 dimensions.*2-D \\(replicate, shard\\)"):
+        fsdp_graph.fully_shard(nn.Linear(2, 2).to(info.device), mesh=cube)
+    with pytest.raises(TypeError, match="mesh must be a torch.distributed.DeviceMesh"):
+        fsdp_graph.fully_shard(nn.Linear(2, 2).to(info.device), mesh=mesh.get_group(0))
 
 
-def test_meshes_other_than_one_dimension_are_refused_with_the_fix():
+def test_meshes_of_more_than_two_dimensions_are_refused_with_the_fix():
     run_ranks(_meshes, 4)
 
 
@@ -249,3 +250,42 @@ def test_register_fsdp_forward_method_names_a_missing_method_and_skips_plain_mod
     fsdp_graph.fully_shard(model)
     with pytest.raises(ValueError, match="_WithMethod has no method 'generate' to register"):
         fsdp_graph.register_fsdp_forward_method(model, "generate")
+
+
+def test_reshard_after_backward_false_skips_the_next_gather_until_the_masters_change(monkeypatch):
+    """FSDP2's set_reshard_after_backward(False) for accumulation: the next forward reuses the
+    gathered parameters, and gathers again once an optimizer step changed the masters."""
+    import fsdp_graph.fsdp.param_group as param_group
+
+    from models import build, shard
+
+    model, _ = build(torch.device("cpu"))
+    shard(model, double_buffer=False)  # dynamic buffers: kept only because of the setting
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    original = param_group.all_gather_inplace
+    monkeypatch.setattr(param_group, "all_gather_inplace", lambda *a: calls.append(1) or original(*a))
+    info = type("Info", (), {"world_size": 1, "rank": 0, "device": torch.device("cpu")})
+    from models import local_loss
+
+    def gathers(step: int) -> int:
+        calls.clear()
+        local_loss(model, step, info).backward()
+        return len(calls)
+
+    units = 4
+    model.set_reshard_after_backward(False)
+    assert gathers(0) == 2 * units  # dynamic: freed after forward, gathered again for backward
+    assert gathers(1) == units  # the forward reuses what the last backward kept
+    opt.step()
+    assert gathers(2) == 2 * units  # the masters changed: gathered again, never stale
+    with pytest.raises(TypeError, match="not a fully_shard-ed module"):
+        model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
+
+
+def test_deepcopy_of_a_sharded_model_is_refused_with_the_fix():
+    import copy
+
+    model = fsdp_graph.fully_shard(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match="deepcopy.*before fully_shard.*get_model_state_dict"):
+        copy.deepcopy(model)

@@ -43,8 +43,8 @@ def _stacked_batch(step: int, info, accum: int) -> tuple[torch.Tensor, torch.Ten
     return torch.stack([m[0] for m in micro]), torch.stack([m[1] for m in micro])
 
 
-def _train(info, strategy: str, accum: int, max_grad_norm, optimizer_in_step: bool):
-    model = _build(info, oversized_block=False)
+def _train(info, strategy: str, accum: int, max_grad_norm, optimizer_in_step: bool, mesh_shape=None):
+    model = _build(info, oversized_block=False, mesh_shape=mesh_shape)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
     step = fsdp_graph.make_train_step(
         lambda idx, targets: model(idx, targets)[1], model, opt if optimizer_in_step else None,
@@ -65,10 +65,10 @@ def _train(info, strategy: str, accum: int, max_grad_norm, optimizer_in_step: bo
     return torch.stack(losses), fsdp_graph.full_state_dict(model)
 
 
-def _full_iteration_matches_eager(info, accum: int, max_grad_norm, optimizer_in_step: bool) -> None:
+def _full_iteration_matches_eager(info, accum: int, max_grad_norm, optimizer_in_step: bool, mesh_shape=None) -> None:
     torch.use_deterministic_algorithms(True)
-    eager_losses, eager_state = _train(info, "none", accum, max_grad_norm, optimizer_in_step)
-    losses, state = _train(info, "full_iteration", accum, max_grad_norm, optimizer_in_step)
+    eager_losses, eager_state = _train(info, "none", accum, max_grad_norm, optimizer_in_step, mesh_shape)
+    losses, state = _train(info, "full_iteration", accum, max_grad_norm, optimizer_in_step, mesh_shape)
     differing = [i for i in range(STEPS) if not torch.equal(losses[i], eager_losses[i])]
     assert not differing, (
         f"losses differ from step {differing[0]}: graphed {losses.tolist()} eager {eager_losses.tolist()}"
@@ -80,13 +80,13 @@ def _full_iteration_matches_eager(info, accum: int, max_grad_norm, optimizer_in_
 
 @needs_two
 @pytest.mark.parametrize(
-    "accum, max_grad_norm, optimizer_in_step",
-    [(1, None, True), (2, 1.0, True), (1, None, False)],
-    ids=["optimizer_in_graph", "accumulate_2_and_clip", "optimizer_outside"],
+    "accum, max_grad_norm, optimizer_in_step, mesh_shape",
+    [(1, None, True, None), (2, 1.0, True, None), (1, None, False, None), (1, 1.0, True, (2, 1))],
+    ids=["optimizer_in_graph", "accumulate_2_and_clip", "optimizer_outside", "hsdp_2x1_clip"],
 )
-def test_full_iteration_training_is_bitwise_equal_to_eager(accum, max_grad_norm, optimizer_in_step):
+def test_full_iteration_training_is_bitwise_equal_to_eager(accum, max_grad_norm, optimizer_in_step, mesh_shape):
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    run_ranks(_full_iteration_matches_eager, 2, accum, max_grad_norm, optimizer_in_step)
+    run_ranks(_full_iteration_matches_eager, 2, accum, max_grad_norm, optimizer_in_step, mesh_shape)
 
 
 @contextmanager

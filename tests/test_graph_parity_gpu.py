@@ -32,7 +32,7 @@ SELECTIONS = {
 }
 
 
-def _build(info, oversized_block: bool) -> GPT:
+def _build(info, oversized_block: bool, mesh_shape: tuple | None = None) -> GPT:
     torch.manual_seed(0)
     model = GPT(CFG)
     if oversized_block:  # block 1's MLP is twice as wide: its unit does not fit a slot
@@ -41,9 +41,14 @@ def _build(info, oversized_block: bool) -> GPT:
         mlp.apply(GPT._init_weights)
     model.to(info.device)
     policy = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = None
+    if mesh_shape is not None:  # HSDP: (replicate, shard)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda", mesh_shape, mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
-        fsdp_graph.fully_shard(block, mp_policy=policy)
-    return fsdp_graph.fully_shard(model, mp_policy=policy)
+        fsdp_graph.fully_shard(block, mp_policy=policy, mesh=mesh)
+    return fsdp_graph.fully_shard(model, mp_policy=policy, mesh=mesh)
 
 
 def _batch(step: int, info) -> tuple[torch.Tensor, torch.Tensor]:

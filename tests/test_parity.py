@@ -34,10 +34,22 @@ def _mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
 
 
 def _train_and_compare(info, opt_kind: str, mp_policy, rtol: float, atol: float, model_kwargs: dict,
-                       shard_kwargs: dict | None = None) -> None:
+                       shard_kwargs: dict | None = None, mesh_shape: tuple | None = None) -> None:
     model, ref = build(info.device, **model_kwargs)
     frozen_before = ref.blocks[1].ln.weight.detach().clone()
-    shard(model, mp_policy=mp_policy, **(shard_kwargs or {}))
+    shard_kwargs = dict(shard_kwargs or {})
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = ("replicate", "shard")[-len(mesh_shape):]
+        shard_kwargs["mesh"] = init_device_mesh(info.device.type, mesh_shape, mesh_dim_names=names)
+    shard(model, mp_policy=mp_policy, **shard_kwargs)
+    if mesh_shape is not None:
+        from torch.distributed.tensor import Replicate, Shard
+
+        expected = (Replicate(), Shard(0)) if len(mesh_shape) == 2 else (Shard(0),)
+        assert all(tuple(p.placements) == expected for p in model.parameters())
+        assert model.fsdp_unit.world_size == mesh_shape[-1]
     opt, ref_opt = _optimizers(opt_kind, model, ref)
     ref_dtype = mp_policy.param_dtype if mp_policy and mp_policy.param_dtype else torch.float32
     for step in range(STEPS):
@@ -81,6 +93,12 @@ def test_bf16_compute_fp32_reduce_matches_reference_at_bf16_tolerance():
 def test_parity_with_a_block_that_does_not_fit_the_slot(persist):
     run_ranks(_train_and_compare, 2, "adamw", None, 1e-5, 1e-6, {"big_block": 2},
               {"persist_buffer_on_alloc_fail": persist})
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4), (4, 1)])
+def test_hsdp_parity_with_replicated_reference(mesh_shape):
+    """A 2-D (replicate, shard) mesh: sharded within each replica, all-reduced across replicas."""
+    run_ranks(_train_and_compare, 4, "adamw", None, 1e-5, 1e-6, {}, {}, mesh_shape)
 
 
 def test_parity_without_double_buffer():

@@ -47,6 +47,34 @@ class FSDPModule:
         for unit in units:
             unit.requires_gradient_sync = requires_gradient_sync
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: after backward the unit keeps its gathered parameters, and the next forward uses
+        them without an all-gather (gradient accumulation, as in FSDP2) as long as nothing wrote to
+        the sharded parameters in between; after an optimizer step (or a checkpoint load) it
+        gathers again, so the result is right either way. A unit sharing a double-buffer slot keeps
+        them only until another unit takes the slot."""
+        units = units_in(self) if recurse else [unit_of(self)]
+        for unit in units:
+            unit.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters when this module's forward starts, instead of the
+        next unit in the recorded order (FSDP2's explicit prefetching). A prefetch that finds its
+        double-buffer slot busy is skipped (the unit gathers when it runs)."""
+        unit_of(self).forward_prefetch = _units_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """As ``set_modules_to_forward_prefetch``, when this module's backward starts."""
+        unit_of(self).backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
+
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            f"copy.deepcopy of a fully_shard-ed module ({type(self).__name__}) is not supported: its sharded "
+            "parameters live in per-unit buffers tied to process groups and CUDA streams. Deep-copy the model "
+            "before fully_shard and shard the copy too, or build a second model and load this one's "
+            "weights (torch.distributed.checkpoint.state_dict.get_model_state_dict / set_model_state_dict)."
+        )
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (not recursive) and put the unsharded ones in
         the module, as FSDP2 does; the next forward uses them without gathering again, and
@@ -108,6 +136,15 @@ class FSDPModule:
         finally:
             for unit, value in zip(units, previous):
                 unit.requires_gradient_sync = value
+
+
+def _units_of(modules, method: str) -> list[FSDPUnit]:
+    modules = list(modules)
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise TypeError(f"{method}: {type(module).__name__} is not a fully_shard-ed module; pass modules that "
+                            "were passed to fully_shard")
+    return [unit_of(m) for m in modules]
 
 
 class UnshardHandle:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .buffers import BufferDtypes, CommScratch, FlatBuffers, Placement, SlotPool
-from .collectives import CommStreams, all_gather_inplace
+from .collectives import CommStreams, all_gather_inplace, all_gather_per_param
 from .flat_layout import FlatLayout
 from .mesh import ShardMesh
 from .sharded_param import ShardedParam, alias
@@ -45,6 +45,12 @@ HOLDS_DATA = (ShardState.PREFETCHED, ShardState.GATHERED)
 
 
 class ParamGroup:
+    # How the all-gather lands in the persistent buffer (both allocation-free and capturable):
+    # "copy_out": one all-gather into the shared staging buffer, then one copy-out kernel;
+    # "per_param": one all-gather per parameter straight into it, coalesced into one NCCL group.
+    # Kept switchable to measure them against each other (docs/fsdp2_compat.md).
+    gather_mode = "copy_out"
+
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
                  dtypes: BufferDtypes, master_dtype: torch.dtype, mesh: ShardMesh, device: torch.device) -> None:
         self.name = name  # the unit's, for messages (renamed once the tree is known)
@@ -66,6 +72,7 @@ class ParamGroup:
         self._streams: CommStreams | None = None
         self._param_flat: torch.Tensor | None = None
         self._unshard_event = None
+        self._gathered_version = -1  # master_flat's version counter when last gathered
 
     # -- placement ------------------------------------------------------------------------
     def bind(self, placement: Placement, pool: SlotPool | None, scratch: CommScratch, streams: CommStreams) -> None:
@@ -91,6 +98,10 @@ class ParamGroup:
         self._param_flat = buffers.params[: self.layout.unsharded_numel]
         for param, view in zip(self.params, self.layout.param_views(alias(self._param_flat))):
             param.bind(view)
+        outs = self.layout.rank_major_views(self._param_flat)
+        self._per_param = (outs, [out[self.layout.rank] for out in outs],
+                           [self.master_flat.narrow(0, s.shard_offset, s.chunk_numel) for s in self.layout.spans
+                            if s.chunk_numel])
 
     def _dynamic_storages(self):
         b, streams = self.buffers, self._streams
@@ -139,7 +150,14 @@ class ParamGroup:
         if not self._acquire(prefetch):
             return False
         streams, layout = self._streams, self.layout
-        if layout.shard_numel:
+        self._gathered_version = self.master_flat._version
+        if layout.shard_numel and self.gather_mode == "per_param" and self.group is not None:
+            with streams.enter(streams.all_gather):
+                outs, ins, chunks = self._per_param
+                torch._foreach_copy_(ins, chunks)
+                all_gather_per_param(outs, ins, self.group, self.device)
+                self._unshard_event = streams.record(streams.all_gather)
+        elif layout.shard_numel:
             with streams.enter(streams.all_gather):
                 gathered = self.scratch.gather[: layout.gathered_numel]
                 gathered.narrow(0, layout.rank * layout.shard_numel, layout.shard_numel).copy_(self.master_flat)
@@ -182,6 +200,13 @@ class ParamGroup:
             self.state = ShardState.SHARDED
         else:
             self.state = ShardState.GATHERED
+
+    def holds_current_masters(self) -> bool:
+        """Whether the buffer holds the masters as they are now: gathered, and no in-place write to
+        them since (an optimizer step, a checkpoint load: their version counter moves). Never
+        under graph capture, whose replays must all-gather."""
+        return (self.state in HOLDS_DATA and self.master_flat._version == self._gathered_version
+                and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 
     def clear_prefetch(self) -> None:
         if self.state is ShardState.PREFETCHED:

@@ -99,6 +99,9 @@ class FSDPUnit:
         self.in_forward_method = False  # a registered forward method runs (it may call the module again)
         self.nested_forwards = 0  # forwards of this module inside that method (its self(...) calls)
         self.requires_gradient_sync = True
+        self.reshard_after_backward = True  # False: keep the gathered parameters for the next forward
+        self.forward_prefetch: list[FSDPUnit] | None = None  # set_modules_to_forward_prefetch (None: implicit)
+        self.backward_prefetch: list[FSDPUnit] | None = None
         self.parent: FSDPUnit | None = None
         self._streams: CommStreams | None = None
         self._order: ExecutionOrder | None = None
@@ -157,16 +160,23 @@ class FSDPUnit:
         self._post_backward_from_params = False  # set again by this forward's hooks if it applies
         self._order.record_forward(self)
         group = self.param_group
-        if group.state is not ShardState.PREFETCHED and group.state is not ShardState.UNSHARDED:
+        state = group.state
+        if self._kept_from_backward():
+            pass
+        elif state is not ShardState.PREFETCHED and state is not ShardState.UNSHARDED:
             group.unshard()  # (UNSHARDED here: the user called module.unshard() before this forward)
         if group.sync_requires_grad():
             self.grads.refresh_trainable()
             self._grad_hooks_current = False
         group.use()
         self.state = TrainingState.FORWARD
-        following = self._order.after_in_forward(self)
-        if following is not None:
-            following.prefetch(for_backward=False)
+        if self.forward_prefetch is not None:
+            for unit in self.forward_prefetch:
+                unit.prefetch(for_backward=False)
+        else:
+            following = self._order.after_in_forward(self)
+            if following is not None:
+                following.prefetch(for_backward=False)
         return True
 
     def post_forward(self) -> bool:
@@ -193,9 +203,13 @@ class FSDPUnit:
         self.state = TrainingState.BACKWARD
         self.grads.prepare(group.buffers, self.requires_gradient_sync)
         self._grads_accumulated = 0
-        previous = self._order.after_in_backward(self)
-        if previous is not None:
-            previous.prefetch(for_backward=True)
+        if self.backward_prefetch is not None:
+            for unit in self.backward_prefetch:
+                unit.prefetch(for_backward=True)
+        else:
+            previous = self._order.after_in_backward(self)
+            if previous is not None:
+                previous.prefetch(for_backward=True)
         return True
 
     def post_backward(self) -> None:
@@ -203,8 +217,9 @@ class FSDPUnit:
         group = self.param_group
         self.grads.finish(group.buffers, group.scratch, self._streams, self.requires_gradient_sync)
         self._post_backward_from_params = False
-        self.param_group.reshard()
-        self.param_group.drop()  # the optimizer changes the masters next
+        self.param_group.reshard(free=self.reshard_after_backward)
+        if self.reshard_after_backward:
+            self.param_group.drop()  # the optimizer changes the masters next
         self.state = TrainingState.IDLE
 
     def prefetch(self, for_backward: bool) -> None:
@@ -215,7 +230,14 @@ class FSDPUnit:
         state = self.param_group.state
         if state is ShardState.PREFETCHED or state is ShardState.UNSHARDED or (for_backward and state in HOLDS_DATA):
             return  # (UNSHARDED while idle: module.unshard() put them in place already)
-        self.param_group.prefetch()
+        if not self._kept_from_backward():
+            self.param_group.prefetch()
+
+    def _kept_from_backward(self) -> bool:
+        """Gathered parameters kept after the last backward (set_reshard_after_backward(False)) that
+        are still the masters' current values: the forward uses them as they are."""
+        return (not self.reshard_after_backward and self.param_group.state is ShardState.GATHERED
+                and self.param_group.holds_current_masters())
 
     # -- post-backward for units whose inputs need no gradient -----------------------------
     def post_backward_from_param_grads(self) -> None:
