@@ -119,11 +119,11 @@ def test_flat_layout_follows_the_chunk_rule_and_round_trips(world_size):
     gathered = torch.cat(shards)
     assert gathered.numel() == layout.gathered_numel
     unsharded = torch.zeros(layout.unsharded_numel)
-    layout.copy_out(gathered, unsharded)
+    layout.copy_out(layout.by_rank(gathered), layout.rank_major_views(unsharded))
     for p, view, span in zip(params, layout.param_views(unsharded), layout.spans):
         assert span.offset % ALIGN_NUMEL == 0 and torch.equal(view, p)
     back = torch.zeros(layout.gathered_numel, dtype=torch.float64)
-    layout.copy_in(unsharded, back)
+    layout.copy_in(layout.padded_views(unsharded), layout.by_rank(back))
     assert torch.equal(back, gathered.double())
     assert all(torch.equal(full, p) for full, p in zip(layout.full_from_gathered(gathered), params))
 

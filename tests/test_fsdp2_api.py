@@ -37,6 +37,12 @@ def fsdp2_script(info, library: str) -> tuple[list, list, dict]:
     lib = importlib.import_module(library)
     fully_shard, MixedPrecisionPolicy = lib.fully_shard, lib.MixedPrecisionPolicy
 
+    import torch.distributed as dist
+
+    # gloo is the CPU backend (on a GPU machine with fewer GPUs than ranks, FSDP2's full_tensor of
+    # CUDA tensors over gloo crashes): NCCL on CUDA, gloo on CPU.
+    device = info.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    info = type("Info", (), {"device": device, "world_size": info.world_size, "rank": info.rank})
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     torch.manual_seed(0)

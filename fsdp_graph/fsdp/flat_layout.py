@@ -84,6 +84,7 @@ class FlatLayout:
         self.gathered_numel = world_size * shard_cursor
         self.unsharded_numel = _round_up(cursor, ALIGN_NUMEL)
         self._moved = [s for s in self.spans if s.chunk_numel]  # what copy_in / copy_out move (no empties)
+        self._chunk_sizes = [s.chunk_numel for s in self._moved]
 
     # -- views of a shard-sized buffer (masters, sharded gradients) ---------------------
     def local_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
@@ -108,19 +109,21 @@ class FlatLayout:
                 for s in self._moved]
 
     # -- between the gathered and the unsharded layouts ------------------------------------
-    def copy_out(self, gathered: torch.Tensor, unsharded: torch.Tensor) -> None:
-        """Unsharded buffer <- gathered buffer (after an all-gather; one kernel)."""
-        if not self._moved:
-            return
-        torch.split_with_sizes_copy(gathered.view(self.world_size, self.shard_numel),
-                                    [s.chunk_numel for s in self._moved], dim=1, out=self.rank_major_views(unsharded))
+    def by_rank(self, gathered: torch.Tensor) -> torch.Tensor:
+        """A gathered buffer as ``[world, shard_numel]``."""
+        return gathered[: self.gathered_numel].view(self.world_size, self.shard_numel)
 
-    def copy_in(self, unsharded: torch.Tensor, gathered: torch.Tensor) -> None:
-        """Gathered buffer <- unsharded buffer, casting to its dtype (before a reduce-scatter; one kernel)."""
-        if not self._moved:
-            return
-        torch._chunk_cat(self.padded_views(unsharded), dim=0, num_chunks=self.world_size,
-                         out=gathered.view(self.world_size, self.shard_numel))
+    def copy_out(self, by_rank: torch.Tensor, targets: list[torch.Tensor]) -> None:
+        """Unsharded buffer <- gathered buffer (``by_rank``), after an all-gather, in one kernel.
+        ``targets``: ``rank_major_views`` of the unsharded buffer (made once per buffer)."""
+        if targets:
+            torch.split_with_sizes_copy(by_rank, self._chunk_sizes, dim=1, out=targets)
+
+    def copy_in(self, sources: list[torch.Tensor], by_rank: torch.Tensor) -> None:
+        """Gathered buffer (``by_rank``) <- unsharded buffer, casting to its dtype, before a
+        reduce-scatter, in one kernel. ``sources``: ``padded_views`` of the unsharded buffer."""
+        if sources:
+            torch._chunk_cat(sources, dim=0, num_chunks=self.world_size, out=by_rank)
 
     def full_from_gathered(self, gathered: torch.Tensor) -> list[torch.Tensor]:
         """Every parameter's full value (a copy) from a gathered buffer."""

@@ -201,19 +201,32 @@ def _param_refs(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Mod
     return list(refs.values())
 
 
-def _choose_device(module: nn.Module, group: dist.ProcessGroup | None) -> torch.device:
-    """NCCL: the current CUDA device. Otherwise the parameters' device; for a meta-device model
-    (initialised after ``to_empty``, see ``FSDPModule._apply``), gloo's CPU, or without a process
-    group the current CUDA device when there is one."""
-    if group is not None and "nccl" in str(dist.get_backend(group)).lower():
+def _choose_device(module: nn.Module, mesh: ShardMesh) -> torch.device:
+    """Where the unit lives, as FSDP2 decides: the mesh's device type (a given mesh, or NCCL's
+    CUDA), on the current CUDA device; otherwise the parameters' device. A meta-device model
+    (initialised after ``to_empty``, see ``FSDPModule._apply``) without a mesh lives on the current
+    CUDA device when there is one and no CPU process group, else on the CPU."""
+    if mesh.mesh is not None and mesh.mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
+    if mesh.mesh is not None:
+        return torch.device(mesh.mesh.device_type)
     for param in module.parameters():
         if param.device.type != "meta":
             return param.device
-        if group is None and torch.cuda.is_available():
+        if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         break
     return torch.device("cpu")
+
+
+def _param_device_type(module: nn.Module) -> str:
+    """The device type of the mesh fully_shard makes from a process group: NCCL's CUDA, else the
+    parameters' (a meta-device model: CUDA when there is one)."""
+    for param in module.parameters():
+        if param.device.type != "meta":
+            return param.device.type
+        break
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
@@ -361,8 +374,8 @@ def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist
             "transformer block) first, then the root."
         )
     _refuse_if_pinned(module)
-    mesh = resolve_mesh(options.mesh, options.process_group)
-    device = _choose_device(module, mesh.shard_group)
+    mesh = resolve_mesh(options.mesh, options.process_group, _param_device_type(module))
+    device = _choose_device(module, mesh)
     _move_buffers(module, device)
     config = UnitConfig(options.mp_policy, double_buffer, persist_buffer_on_alloc_fail, options.reshard_after_forward)
     for param in options.ignored_params:

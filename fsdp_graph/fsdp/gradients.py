@@ -51,6 +51,8 @@ class UnitGradients:
         self._views_of: FlatBuffers | None = None  # the buffers ``_views`` are views of
         self._views: list[torch.Tensor] = []
         self._target: GradBuffer | None = None
+        self._copy_in_sources: dict[int, tuple] = {}  # id(target) -> (target, its padded views)
+        self._staging: tuple | None = None  # (scratch, reduce_in by rank, reduce_in, reduce_out) of this unit
 
     def refresh_trainable(self) -> None:
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
@@ -105,13 +107,21 @@ class UnitGradients:
             self._accum_views = self.layout.param_views(tensor)
         return self._accum
 
+    def _sources(self, target: GradBuffer) -> list[torch.Tensor]:
+        entry = self._copy_in_sources.get(id(target))
+        if entry is None or entry[0] is not target:
+            entry = self._copy_in_sources[id(target)] = (target, self.layout.padded_views(target.tensor))
+        return entry[1]
+
     def _reduce(self, target: GradBuffer, scratch: CommScratch, streams: CommStreams) -> None:
         layout = self.layout
+        if self._staging is None or self._staging[0] is not scratch:
+            self._staging = (scratch, layout.by_rank(scratch.reduce_in), scratch.reduce_in[: layout.gathered_numel],
+                             scratch.reduce_out[: layout.shard_numel])
+        _, by_rank, grads, reduced = self._staging
         with streams.enter(streams.reduce):
-            grads = scratch.reduce_in[: layout.gathered_numel]
-            layout.copy_in(target.tensor[: layout.unsharded_numel], grads)
+            layout.copy_in(self._sources(target), by_rank)
             target.reduce_done = streams.record(streams.reduce)  # the target is free again
-            reduced = scratch.reduce_out[: layout.shard_numel]
             reduce_scatter_sum(reduced, grads, self.group)
             all_reduce(reduced, self.replicate_group)
             self._accumulate_sharded(reduced)

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .distributed import group_rank_and_size, resolve_group
 
-_meshes: dict[int, DeviceMesh] = {}  # one DeviceMesh per process group made from a group
+_meshes: dict[tuple, DeviceMesh] = {}  # one DeviceMesh per process group made from a group
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -62,22 +62,21 @@ class ShardMesh:
                                   stride=_contiguous_stride(shape))
 
 
-def _device_type(group: dist.ProcessGroup) -> str:
-    return "cuda" if "nccl" in str(dist.get_backend(group)).lower() else "cpu"
-
-
-def _mesh_of_group(group: dist.ProcessGroup) -> DeviceMesh:
-    key = id(group)
+def _mesh_of_group(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
+    if "nccl" in str(dist.get_backend(group)).lower():
+        device_type = "cuda"
+    key = (id(group), device_type)
     if key not in _meshes:
-        _meshes[key] = DeviceMesh.from_group(group, _device_type(group))
+        _meshes[key] = DeviceMesh.from_group(group, device_type)
     return _meshes[key]
 
 
-def resolve_mesh(mesh: DeviceMesh | None, process_group: dist.ProcessGroup | None) -> ShardMesh:
-    """The unit's ``ShardMesh`` from ``fully_shard``'s ``mesh=`` / ``process_group=`` (or the default group)."""
+def resolve_mesh(mesh: DeviceMesh | None, process_group: dist.ProcessGroup | None, device_type: str) -> ShardMesh:
+    """The unit's ``ShardMesh`` from ``fully_shard``'s ``mesh=`` / ``process_group=`` (or the default
+    group, on a mesh of ``device_type``: NCCL's is always CUDA)."""
     if mesh is None:
         group = resolve_group(process_group)
-        return ShardMesh(None if group is None else _mesh_of_group(group), group)
+        return ShardMesh(None if group is None else _mesh_of_group(group, device_type), group)
     if mesh.ndim == 1:
         return ShardMesh(mesh, mesh.get_group())
     if mesh.ndim == 2:

@@ -81,6 +81,10 @@ class ParamGroup:
         self.buffers, self.state, self._unshard_event = None, ShardState.SHARDED, None
         if self.layout.shard_numel:
             scratch.allocate()
+            layout = self.layout
+            self._gathered = scratch.gather[: layout.gathered_numel]
+            self._own_shard = self._gathered.narrow(0, layout.rank * layout.shard_numel, layout.shard_numel)
+            self._by_rank = layout.by_rank(scratch.gather)
         if placement is not Placement.SLOT:
             self._bind_buffers(FlatBuffers.allocate(self.layout.unsharded_numel, self.dtypes, self.device))
         if placement is Placement.DYNAMIC:
@@ -99,6 +103,7 @@ class ParamGroup:
         for param, view in zip(self.params, self.layout.param_views(alias(self._param_flat))):
             param.bind(view)
         outs = self.layout.rank_major_views(self._param_flat)
+        self._copy_out_targets = outs
         self._per_param = (outs, [out[self.layout.rank] for out in outs],
                            [self.master_flat.narrow(0, s.shard_offset, s.chunk_numel) for s in self.layout.spans
                             if s.chunk_numel])
@@ -159,10 +164,9 @@ class ParamGroup:
                 self._unshard_event = streams.record(streams.all_gather)
         elif layout.shard_numel:
             with streams.enter(streams.all_gather):
-                gathered = self.scratch.gather[: layout.gathered_numel]
-                gathered.narrow(0, layout.rank * layout.shard_numel, layout.shard_numel).copy_(self.master_flat)
-                all_gather_inplace(gathered, layout.shard_numel, self.group)
-                layout.copy_out(gathered, self._param_flat)
+                self._own_shard.copy_(self.master_flat)
+                all_gather_inplace(self._gathered, layout.shard_numel, self.group)
+                layout.copy_out(self._by_rank, self._copy_out_targets)
                 self._unshard_event = streams.record(streams.all_gather)
         return True
 

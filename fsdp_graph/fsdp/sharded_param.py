@@ -130,7 +130,8 @@ class ShardedParam:
             current = module._parameters.get(attr)
             if current is not master and current is not unsharded:
                 self._replaced(unit_name)
-        if self.local_ptr is not None and local_tensor(master).data_ptr() != self.local_ptr:
+        local = master._local_tensor if self.mesh.mesh is not None else master
+        if self.local_ptr is not None and local.data_ptr() != self.local_ptr:
             self._replaced(unit_name)
         for module, attr in self.refs:
             module._parameters[attr] = unsharded

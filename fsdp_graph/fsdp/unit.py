@@ -161,7 +161,7 @@ class FSDPUnit:
         self._order.record_forward(self)
         group = self.param_group
         state = group.state
-        if self._kept_from_backward():
+        if not self.reshard_after_backward and self._kept_from_backward():
             pass
         elif state is not ShardState.PREFETCHED and state is not ShardState.UNSHARDED:
             group.unshard()  # (UNSHARDED here: the user called module.unshard() before this forward)
@@ -230,14 +230,13 @@ class FSDPUnit:
         state = self.param_group.state
         if state is ShardState.PREFETCHED or state is ShardState.UNSHARDED or (for_backward and state in HOLDS_DATA):
             return  # (UNSHARDED while idle: module.unshard() put them in place already)
-        if not self._kept_from_backward():
+        if self.reshard_after_backward or not self._kept_from_backward():
             self.param_group.prefetch()
 
     def _kept_from_backward(self) -> bool:
         """Gathered parameters kept after the last backward (set_reshard_after_backward(False)) that
         are still the masters' current values: the forward uses them as they are."""
-        return (not self.reshard_after_backward and self.param_group.state is ShardState.GATHERED
-                and self.param_group.holds_current_masters())
+        return self.param_group.state is ShardState.GATHERED and self.param_group.holds_current_masters()
 
     # -- post-backward for units whose inputs need no gradient -----------------------------
     def post_backward_from_param_grads(self) -> None:
