@@ -443,8 +443,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hot-path", action="store_true", help="also time our per-layer hooks and replays (adds overhead)")
     p.add_argument("--profile", action="store_true",
                    help="also break the whole-graph systems' GPU time down by kernel kind")
-    p.add_argument("--gather-mode", choices=["copy_out", "per_param"], default=None,
-                   help="how our all-gathers land in the persistent buffers (to measure the two designs)")
     p.add_argument("--out", default="bench")
     p.add_argument("--plot", metavar="RESULTS_JSON", help="only draw the chart from an earlier run's results")
     args = p.parse_args(argv)
@@ -471,10 +469,6 @@ def main(argv=None) -> None:
         if plot(records, path):
             print(f"wrote {path}")
         return
-    if args.gather_mode:
-        from fsdp_graph.fsdp.param_group import ParamGroup
-
-        ParamGroup.gather_mode = args.gather_mode
     info = fsdp_graph.init_distributed()
     env = Env(info.rank, info.world_size, info.device)
     records = []

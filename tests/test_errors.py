@@ -86,6 +86,22 @@ def test_state_dict_during_forward_is_refused():
         lm_loss(model, idx, targets)
 
 
+def test_model_state_dict_mid_step_or_after_unshard_is_refused():
+    model, _ = build(CPU)
+    shard(model)
+    model.blocks[0].register_forward_hook(lambda m, a, o: model.state_dict())
+    idx, targets = global_batch(0, 1, CPU)
+    with pytest.raises(fsdp_graph.TransitionError, match="state_dict\\(\\) needs the unit idle"):
+        lm_loss(model, idx, targets)
+    model, _ = build(CPU)
+    shard(model)
+    model.blocks[1].unshard()
+    with pytest.raises(fsdp_graph.TransitionError, match="call module.reshard\\(\\) first"):
+        model.state_dict()
+    model.blocks[1].reshard()
+    assert model.state_dict().keys() == build(CPU)[1].state_dict().keys()
+
+
 def test_scalar_parameter_is_refused_with_the_fix():
     module = nn.Linear(2, 2)
     module.scale = nn.Parameter(torch.tensor(2.0))

@@ -27,16 +27,6 @@ def all_gather_inplace(flat: torch.Tensor, shard_numel: int, group: dist.Process
     _all_gather_single(flat, local, group=group)
 
 
-def all_gather_per_param(outs: list[torch.Tensor], ins: list[torch.Tensor], group: dist.ProcessGroup,
-                         device: torch.device) -> None:
-    """``outs[i]`` (``[world, n_i]``) <- every rank's ``ins[i]`` (a row of ``outs[i]``), one collective
-    per tensor, coalesced into one NCCL group on GPU."""
-    coalesce = dist._coalescing_manager(group=group, device=device) if device.type == "cuda" else nullcontext()
-    with coalesce:
-        for out, local in zip(outs, ins):
-            _all_gather_single(out.view(-1), local, group=group)
-
-
 def reduce_scatter_sum(out_shard: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """``out_shard`` = this rank's shard of the sum of ``flat`` over the group."""
     if group is None:

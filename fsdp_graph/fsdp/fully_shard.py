@@ -267,9 +267,16 @@ def _build_unit(
         owned.append((name, param, [(m, attr) for m, attr, _ in places]))
     unit = FSDPUnit(module, owned, config, mesh, device, class_name=_original_class(module).__name__)
     module.__dict__[UNIT_ATTR] = unit
-    module.__dict__[_HOOKS_ATTR] = register_unit_hooks(module)
+    module.__dict__[_HOOKS_ATTR] = register_unit_hooks(module) + [
+        module.register_state_dict_pre_hook(_refuse_state_dict_mid_step)]
     _swap_class(module)
     return unit
+
+
+def _refuse_state_dict_mid_step(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """Mid-step (or after ``unshard()``) the modules hold the unsharded parameters, not the sharded
+    ones: a state dict (DCP, get_model_state_dict) would hold the wrong tensors."""
+    unit_of(module).require_idle("state_dict()")
 
 
 def _dissolve(unit: FSDPUnit, refs) -> None:

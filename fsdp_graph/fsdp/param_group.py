@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .buffers import BufferDtypes, CommScratch, FlatBuffers, Placement, SlotPool
-from .collectives import CommStreams, all_gather_inplace, all_gather_per_param
+from .collectives import CommStreams, all_gather_inplace
 from .flat_layout import FlatLayout
 from .mesh import ShardMesh
 from .sharded_param import ShardedParam, alias
@@ -45,12 +45,6 @@ HOLDS_DATA = (ShardState.PREFETCHED, ShardState.GATHERED)
 
 
 class ParamGroup:
-    # How the all-gather lands in the persistent buffer (both allocation-free and capturable):
-    # "copy_out": one all-gather into the shared staging buffer, then one copy-out kernel;
-    # "per_param": one all-gather per parameter straight into it, coalesced into one NCCL group.
-    # Kept switchable to measure them against each other (docs/fsdp2_compat.md).
-    gather_mode = "copy_out"
-
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
                  dtypes: BufferDtypes, master_dtype: torch.dtype, mesh: ShardMesh, device: torch.device) -> None:
         self.name = name  # the unit's, for messages (renamed once the tree is known)
@@ -102,11 +96,7 @@ class ParamGroup:
         self._param_flat = buffers.params[: self.layout.unsharded_numel]
         for param, view in zip(self.params, self.layout.param_views(alias(self._param_flat))):
             param.bind(view)
-        outs = self.layout.rank_major_views(self._param_flat)
-        self._copy_out_targets = outs
-        self._per_param = (outs, [out[self.layout.rank] for out in outs],
-                           [self.master_flat.narrow(0, s.shard_offset, s.chunk_numel) for s in self.layout.spans
-                            if s.chunk_numel])
+        self._copy_out_targets = self.layout.rank_major_views(self._param_flat)
 
     def _dynamic_storages(self):
         b, streams = self.buffers, self._streams
@@ -156,13 +146,7 @@ class ParamGroup:
             return False
         streams, layout = self._streams, self.layout
         self._gathered_version = self.master_flat._version
-        if layout.shard_numel and self.gather_mode == "per_param" and self.group is not None:
-            with streams.enter(streams.all_gather):
-                outs, ins, chunks = self._per_param
-                torch._foreach_copy_(ins, chunks)
-                all_gather_per_param(outs, ins, self.group, self.device)
-                self._unshard_event = streams.record(streams.all_gather)
-        elif layout.shard_numel:
+        if layout.shard_numel:
             with streams.enter(streams.all_gather):
                 self._own_shard.copy_(self.master_flat)
                 all_gather_inplace(self._gathered, layout.shard_numel, self.group)
