@@ -22,7 +22,7 @@ import torch
 
 TIMEOUT_S = float(os.environ.get("FSDP_GRAPH_TEST_TIMEOUT", "240"))
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "torch.distributed", "fsdp_graph"])
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "fsdp_graph"])  # DTensor imports dynamo
 
 
 def backend_for(world_size: int) -> str:
@@ -62,7 +62,8 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str
     try:
         info = fsdp_graph.init_distributed(backend)
         fn(info, *args)
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
     except BaseException:
         Path(error_file).write_text(traceback.format_exc())
         code = 1
