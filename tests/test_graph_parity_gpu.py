@@ -62,8 +62,8 @@ def _batch(step: int, info) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _train(info, selection: str | None, oversized_block: bool, graph_at_step: int = 0):
-    model = _build(info, oversized_block)
+def _train(info, selection: str | None, oversized_block: bool, graph_at_step: int = 0, mesh_shape=None):
+    model = _build(info, oversized_block, mesh_shape)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     graphed = []
     losses = []
@@ -85,10 +85,11 @@ def _train(info, selection: str | None, oversized_block: bool, graph_at_step: in
     return torch.stack(losses), fsdp_graph.full_state_dict(model)
 
 
-def _eager_and_graphed_agree(info, selection: str, oversized_block: bool, graph_at_step: int) -> None:
+def _eager_and_graphed_agree(info, selection: str, oversized_block: bool, graph_at_step: int,
+                             mesh_shape=None) -> None:
     torch.use_deterministic_algorithms(True)  # flash attention's backward is otherwise nondeterministic
-    eager_losses, eager_state = _train(info, None, oversized_block)
-    losses, state = _train(info, selection, oversized_block, graph_at_step)
+    eager_losses, eager_state = _train(info, None, oversized_block, mesh_shape=mesh_shape)
+    losses, state = _train(info, selection, oversized_block, graph_at_step, mesh_shape)
     differing = [i for i in range(STEPS) if not torch.equal(losses[i], eager_losses[i])]
     assert not differing, (
         f"losses differ from step {differing[0]}: graphed {losses.tolist()} eager {eager_losses.tolist()}"
@@ -100,15 +101,16 @@ def _eager_and_graphed_agree(info, selection: str, oversized_block: bool, graph_
 
 
 @pytest.mark.parametrize(
-    "selection, oversized_block, graph_at_step",
+    "selection, oversized_block, graph_at_step, mesh_shape",
     [
-        ("blocks", False, 0),
-        ("attention", False, 0),
-        ("mlp", False, 0),
-        ("blocks", True, 0),  # block 1 does not fit a slot: its own persistent buffer
-        ("blocks_1_3", False, 3),  # a subset, graphed between steps of a running training
+        ("blocks", False, 0, None),
+        ("attention", False, 0, None),
+        ("mlp", False, 0, None),
+        ("blocks", True, 0, None),  # block 1 does not fit a slot: its own persistent buffer
+        ("blocks_1_3", False, 3, None),  # a subset, graphed between steps of a running training
+        ("blocks", False, 0, (2, 1)),  # HSDP: replicated across the two GPUs, all-reduced
     ],
 )
-def test_graphed_training_is_bitwise_equal_to_eager(selection, oversized_block, graph_at_step):
+def test_graphed_training_is_bitwise_equal_to_eager(selection, oversized_block, graph_at_step, mesh_shape):
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # inherited by the ranks; needed by deterministic cuBLAS
-    run_ranks(_eager_and_graphed_agree, 2, selection, oversized_block, graph_at_step)
+    run_ranks(_eager_and_graphed_agree, 2, selection, oversized_block, graph_at_step, mesh_shape)
