@@ -258,9 +258,10 @@ def test_register_fsdp_forward_method_names_a_missing_method_and_skips_plain_mod
         fsdp_graph.register_fsdp_forward_method(model, "generate")
 
 
-def test_reshard_after_backward_false_skips_the_next_gather_until_the_masters_change(monkeypatch):
-    """FSDP2's set_reshard_after_backward(False) for accumulation: the next forward reuses the
-    gathered parameters, and gathers again once an optimizer step changed the masters."""
+def test_reshard_after_backward_false_skips_the_gather_after_an_unsynchronised_backward(monkeypatch):
+    """FSDP2's set_reshard_after_backward(False) for accumulation: after a backward without
+    gradient sync the next forward reuses the gathered parameters; a synchronised backward
+    reshards, since the optimizer step follows it."""
     import fsdp_graph.fsdp.param_group as param_group
 
     from models import build, shard
@@ -281,10 +282,13 @@ def test_reshard_after_backward_false_skips_the_next_gather_until_the_masters_ch
 
     units = 4
     model.set_reshard_after_backward(False)
+    model.set_requires_gradient_sync(False)  # accumulation: what the setting is for
     assert gathers(0) == 2 * units  # dynamic: freed after forward, gathered again for backward
-    assert gathers(1) == units  # the forward reuses what the last backward kept
+    assert gathers(1) == units  # the forward reuses what the last (unsynchronised) backward kept
+    model.set_requires_gradient_sync(True)
+    assert gathers(2) == units  # still kept; this synchronised backward reshards (a step follows)
     opt.step()
-    assert gathers(2) == 2 * units  # the masters changed: gathered again, never stale
+    assert gathers(3) == 2 * units
     with pytest.raises(TypeError, match="not a fully_shard-ed module"):
         model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
 
@@ -295,3 +299,74 @@ def test_deepcopy_of_a_sharded_model_is_refused_with_the_fix():
     model = fsdp_graph.fully_shard(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(TypeError, match="deepcopy.*before fully_shard.*get_model_state_dict"):
         copy.deepcopy(model)
+
+
+def _kept_parameters_are_never_stale(info) -> None:
+    """set_reshard_after_backward(False) left on through optimizer steps, with DTensor masters:
+    every forward equals the unsharded reference's (a kept copy is never used after the masters
+    changed), also when the optimizer steps after an unsynchronised backward."""
+    from models import build, shard
+
+    model, ref = build(info.device)
+    shard(model)
+    model.set_reshard_after_backward(False)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    idx, targets = global_batch(0, info.world_size, info.device)
+    mine = idx[:2]  # the same batch on every rank: the averaged gradient is the reference's
+    for step in range(4):
+        sync = step != 2
+        model.set_requires_gradient_sync(sync)
+        out, expected = model(mine), ref(mine)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+        scale = 1.0 if sync else 0.0  # step 2 adds nothing: the steps stay comparable
+        (out.float().square().mean() * scale).backward()
+        (expected.float().square().mean() * scale).backward()
+        for o in (opt, ref_opt):
+            o.step()  # step 2: after an unsynchronised backward, with step 1's gradients kept
+            if step != 1:
+                o.zero_grad()
+
+
+def test_kept_parameters_are_gathered_again_after_an_optimizer_step():
+    run_ranks(_kept_parameters_are_never_stale, 2)
+
+
+def _apply_keeps_masters_owned_and_refuses_everywhere(info) -> None:
+    from fsdp_graph.fsdp.sharded_param import master_owner
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 1), nn.Sequential(nn.Linear(1, 3)))
+    fsdp_graph.fully_shard(model[1])
+    model[1].to_empty(device=info.device)  # a child materialised before its parent is sharded
+    fsdp_graph.fully_shard(model)
+    model.to_empty(device=info.device)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert all(master_owner(p) is not None for p in model.parameters())  # tags survive swap_tensors
+    model(torch.randn(2, 4, device=info.device)).sum().backward()
+    # Linear(4, 1).weight has one row: rank 1 holds none of it. Swapping it behind the unit's back
+    # (to_empty on a plain submodule) must be refused on every rank, not only where rows live.
+    model[0].to_empty(device=info.device)
+    with pytest.raises(RuntimeError, match="'0.weight' was replaced after fully_shard"):
+        model(torch.randn(2, 4, device=info.device))
+
+
+def test_to_empty_keeps_ownership_and_a_swap_behind_the_units_back_is_refused_on_every_rank():
+    run_ranks(_apply_keeps_masters_owned_and_refuses_everywhere, 2)
+
+
+def test_a_unit_rebuilt_for_a_tied_parameter_keeps_its_settings_and_prefetch_lists():
+    from models import build
+
+    model, _ = build(torch.device("cpu"))
+    for block in model.blocks:
+        fsdp_graph.fully_shard(block)
+    fsdp_graph.fully_shard(model.emb)  # holds the weight tied to the head: rebuilt by the root's call
+    model.emb.set_reshard_after_backward(False)
+    model.blocks[1].set_modules_to_backward_prefetch([model.blocks[0], model.emb])
+    fsdp_graph.fully_shard(model)
+    assert model.emb.fsdp_unit.reshard_after_backward is False
+    assert model.blocks[1].fsdp_unit.backward_prefetch == [model.blocks[0].fsdp_unit, model.emb.fsdp_unit]
+    idx, targets = global_batch(0, 1, torch.device("cpu"))
+    F.cross_entropy(model(idx).flatten(0, 1), targets.flatten()).backward()

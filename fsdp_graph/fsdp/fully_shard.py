@@ -23,7 +23,7 @@ from .fsdp_options import Options, list_of_modules, resolve_options
 from .hooks import register_unit_hooks, run_as_forward
 from .mesh import ShardMesh, resolve_mesh
 from .mixed_precision import MixedPrecisionPolicy
-from .param_group import ShardState
+from .param_group import ShardState, note_master_writes, watch_master_writes
 from .registry import ENCLOSING_ATTR, ROOT_ATTR, UNIT_ATTR, pinned_by, root_of, unit_of, units_in
 from .root import RootContext
 from .sharded_param import master_owner, replaced_by
@@ -48,12 +48,16 @@ class FSDPModule:
             unit.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """False: after backward the unit keeps its gathered parameters, and the next forward uses
-        them without an all-gather (gradient accumulation, as in FSDP2) as long as nothing wrote to
-        the sharded parameters in between; after an optimizer step (or a checkpoint load) it
-        gathers again, so the result is right either way. A unit sharing a double-buffer slot keeps
-        them only until another unit takes the slot."""
+        """False: after a backward without gradient sync (accumulation, as FSDP2 uses it) the unit
+        keeps its gathered parameters, and the next forward uses them without an all-gather. A
+        synchronised backward always reshards (the optimizer step follows), and an optimizer step
+        or a ``load_state_dict`` in between makes the next forward gather again. Not seen: writes to
+        the parameters by other means (``.data``, a bare ``dcp.load``) between an unsynchronised
+        backward and the next forward. A unit sharing a double-buffer slot keeps its parameters
+        only until another unit takes the slot."""
         units = units_in(self) if recurse else [unit_of(self)]
+        if not reshard_after_backward:
+            watch_master_writes()
         for unit in units:
             unit.reshard_after_backward = bool(reshard_after_backward)
 
@@ -268,7 +272,8 @@ def _build_unit(
     unit = FSDPUnit(module, owned, config, mesh, device, class_name=_original_class(module).__name__)
     module.__dict__[UNIT_ATTR] = unit
     module.__dict__[_HOOKS_ATTR] = register_unit_hooks(module) + [
-        module.register_state_dict_pre_hook(_refuse_state_dict_mid_step)]
+        module.register_state_dict_pre_hook(_refuse_state_dict_mid_step),
+        module.register_load_state_dict_pre_hook(lambda *_: note_master_writes())]
     _swap_class(module)
     return unit
 
@@ -293,6 +298,19 @@ def _dissolve(unit: FSDPUnit, refs) -> None:
         handle.remove()
     del unit.module.__dict__[UNIT_ATTR]
     unit.active = False
+
+
+def _carry_settings(old: FSDPUnit, new: FSDPUnit, units: list[FSDPUnit]) -> None:
+    """A unit rebuilt without a tied parameter keeps what was set on it, and the prefetch lists
+    that named it name the new unit."""
+    new.requires_gradient_sync = old.requires_gradient_sync
+    new.reshard_after_backward = old.reshard_after_backward
+    new.grads.divide_factor = old.grads.divide_factor
+    new.forward_prefetch, new.backward_prefetch = old.forward_prefetch, old.backward_prefetch
+    for unit in units:
+        for targets in (unit.forward_prefetch, unit.backward_prefetch):
+            if targets is not None:
+                targets[:] = [new if t is old else t for t in targets]
 
 
 def _depth(module: nn.Module, root: nn.Module) -> int:
@@ -406,8 +424,7 @@ def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist
             # Innermost first; each rebuilt unit is linked at once, so it has a live root even if
             # building the enclosing unit below fails.
             rebuilt = _build_unit(unit.module, refs, unit.config, unit.mesh, unit.device)
-            rebuilt.requires_gradient_sync = unit.requires_gradient_sync
-            rebuilt.grads.divide_factor = unit.grads.divide_factor
+            _carry_settings(unit, rebuilt, units_in(module))
             _link(rebuilt)
             refs = _param_refs(module)
 

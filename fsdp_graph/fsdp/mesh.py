@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .distributed import group_rank_and_size, resolve_group
 
-_meshes: dict[tuple, DeviceMesh] = {}  # one DeviceMesh per process group made from a group
+_meshes: dict[tuple, tuple] = {}  # (id(group), device type) -> (group, the DeviceMesh made from it)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -66,9 +66,10 @@ def _mesh_of_group(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
     if "nccl" in str(dist.get_backend(group)).lower():
         device_type = "cuda"
     key = (id(group), device_type)
-    if key not in _meshes:
-        _meshes[key] = DeviceMesh.from_group(group, device_type)
-    return _meshes[key]
+    entry = _meshes.get(key)
+    if entry is None or entry[0] is not group:  # (the group is kept alive here: its id is not reused)
+        entry = _meshes[key] = (group, DeviceMesh.from_group(group, device_type))
+    return entry[1]
 
 
 def resolve_mesh(mesh: DeviceMesh | None, process_group: dist.ProcessGroup | None, device_type: str) -> ShardMesh:

@@ -33,6 +33,25 @@ from .flat_layout import FlatLayout
 from .mesh import ShardMesh
 from .sharded_param import ShardedParam, alias
 
+_master_writes = [0]  # optimizer steps and state-dict loads seen (once someone keeps gathered data)
+_watching_optimizers = False
+
+
+def note_master_writes() -> None:
+    """The masters may have changed (an optimizer step, a state-dict load): kept gathered copies are stale."""
+    _master_writes[0] += 1
+
+
+def watch_master_writes() -> None:
+    """Count every optimizer step from now on (a global optimizer hook, registered once, by the
+    first unit that keeps gathered parameters after backward)."""
+    global _watching_optimizers
+    if not _watching_optimizers:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(lambda *_: note_master_writes())
+        _watching_optimizers = True
+
 
 class ShardState(Enum):
     SHARDED = "sharded"
@@ -66,7 +85,7 @@ class ParamGroup:
         self._streams: CommStreams | None = None
         self._param_flat: torch.Tensor | None = None
         self._unshard_event = None
-        self._gathered_version = -1  # master_flat's version counter when last gathered
+        self._gathered_at = (-1, -1)  # (master writes noted, master_flat's version) when last gathered
 
     # -- placement ------------------------------------------------------------------------
     def bind(self, placement: Placement, pool: SlotPool | None, scratch: CommScratch, streams: CommStreams) -> None:
@@ -145,7 +164,7 @@ class ParamGroup:
         if not self._acquire(prefetch):
             return False
         streams, layout = self._streams, self.layout
-        self._gathered_version = self.master_flat._version
+        self._gathered_at = (_master_writes[0], self.master_flat._version)
         if layout.shard_numel:
             with streams.enter(streams.all_gather):
                 self._own_shard.copy_(self.master_flat)
@@ -190,10 +209,10 @@ class ParamGroup:
             self.state = ShardState.GATHERED
 
     def holds_current_masters(self) -> bool:
-        """Whether the buffer holds the masters as they are now: gathered, and no in-place write to
-        them since (an optimizer step, a checkpoint load: their version counter moves). Never
-        under graph capture, whose replays must all-gather."""
-        return (self.state in HOLDS_DATA and self.master_flat._version == self._gathered_version
+        """Whether the buffer holds the masters as they are now: gathered, with no optimizer step,
+        state-dict load (``note_master_writes``) or in-place write through ``master_flat`` since.
+        Never under graph capture, whose replays must all-gather."""
+        return (self.state in HOLDS_DATA and self._gathered_at == (_master_writes[0], self.master_flat._version)
                 and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 
     def clear_prefetch(self) -> None:
@@ -249,3 +268,5 @@ class ParamGroup:
             self.drop()  # the gathered copy, if any, is stale
             for param in self.params:
                 param.reattach()
+        for param in self.params:
+            param.retag()  # torch's swap_tensors moved the tags to the discarded tensors

@@ -56,8 +56,9 @@ def alias(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedParam:
-    __slots__ = ("name", "refs", "dtype", "requires_grad", "local", "local_ptr", "master", "original", "unsharded",
-                 "span", "mesh")
+    __slots__ = ("name", "refs", "dtype", "requires_grad", "local", "local_ptr", "storage_ptr", "master", "original",
+                 "unsharded",
+                 "span", "mesh", "owner")
 
     def __init__(self, name: str, refs: list[tuple[nn.Module, str]], original: nn.Parameter,
                  local: torch.Tensor, span: ParamSpan, mesh: ShardMesh) -> None:
@@ -73,6 +74,7 @@ class ShardedParam:
                 local.copy_(original.detach().narrow(0, span.row_start, span.local_rows))
         self.master = nn.Parameter(mesh.wrap(local, span.shape), requires_grad=self.requires_grad)
         self.local_ptr = local.data_ptr() if local.numel() else None  # to notice a replaced tensor
+        self.storage_ptr = local.untyped_storage().data_ptr()  # the same for a rank with no rows
         self.unsharded: nn.Parameter | None = None
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
@@ -81,8 +83,8 @@ class ShardedParam:
 
     def reattach(self) -> torch.Tensor | None:
         """After ``Module._apply`` (``to_empty``, ``.to(device)``): the master's tensor is no longer the
-        view of ``master_flat``; copy its values there and point the master back at the view (the
-        unit keeps the device of its process group). Returns the tensor found (None: it was the view)."""
+        view of ``master_flat``; copy its values there and point the master back at the view. A move
+        to another device than the unit's is refused. Returns the tensor found (None: it was the view)."""
         found = local_tensor(self.master)
         if not self.moved():
             return None
@@ -92,7 +94,13 @@ class ShardedParam:
                 f"parameters of a fully_shard-ed module stay {self.local.dtype} (the master copy). Set compute "
                 "dtypes with fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)), not .to(dtype)."
             )
-        if not found.is_meta:  # the values stay; the unit stays on its process group's device
+        if not found.is_meta and found.device != self.local.device:
+            raise RuntimeError(
+                f"parameter '{self.name}' was moved to {found.device}, but fully_shard placed its unit on "
+                f"{self.local.device}. Move the model before fully_shard (or pass a mesh of the device type you "
+                "want); for a meta-device model, call to_empty(device=...) with the unit's device."
+            )
+        if not found.is_meta:
             with torch.no_grad():
                 self.local.copy_(found)
         if self.master is not found:  # a DTensor: re-point its local tensor, as FSDP2 does
@@ -101,13 +109,21 @@ class ShardedParam:
             self.master.data = self.local
         return found
 
+    def retag(self) -> None:
+        """Tag the master again (``Module._apply`` swaps a DTensor's ``__dict__``, tags included)."""
+        setattr(self.master, MASTER_TAG, self.owner)
+
     def moved(self) -> bool:
         """Whether the master's memory is no longer its view of ``master_flat``."""
-        return self.local_ptr is not None and local_tensor(self.master).data_ptr() != self.local_ptr
+        found = local_tensor(self.master)
+        if self.local_ptr is not None:
+            return found.data_ptr() != self.local_ptr
+        return found.untyped_storage().data_ptr() != self.storage_ptr
 
     def tag(self, unit) -> None:
         """Let ``master_owner`` / ``replaced_by`` find ``unit`` from the master and the original."""
-        setattr(self.master, MASTER_TAG, weakref.ref(unit))
+        self.owner = weakref.ref(unit)
+        setattr(self.master, MASTER_TAG, self.owner)
         original = self.original()
         if original is not None:
             setattr(original, REPLACED_TAG, weakref.ref(unit))
@@ -131,7 +147,10 @@ class ShardedParam:
             if current is not master and current is not unsharded:
                 self._replaced(unit_name)
         local = master._local_tensor if self.mesh.mesh is not None else master
-        if self.local_ptr is not None and local.data_ptr() != self.local_ptr:
+        if self.local_ptr is not None:
+            if local.data_ptr() != self.local_ptr:
+                self._replaced(unit_name)
+        elif local.untyped_storage().data_ptr() != self.storage_ptr:  # no rows here: every rank must refuse
             self._replaced(unit_name)
         for module, attr in self.refs:
             module._parameters[attr] = unsharded

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
+from .param_group import note_master_writes
 from .registry import enclosing_unit, units_in
 
 
@@ -65,6 +66,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
             "for the same architecture."
         )
     masters = _masters(units)
+    note_master_writes()
     for key, target in current.items():
         value = state_dict[key]
         if id(target) in masters:

@@ -217,8 +217,9 @@ class FSDPUnit:
         group = self.param_group
         self.grads.finish(group.buffers, group.scratch, self._streams, self.requires_gradient_sync)
         self._post_backward_from_params = False
-        self.param_group.reshard(free=self.reshard_after_backward)
-        if self.reshard_after_backward:
+        keep = self.keeps_gathered_after_backward()
+        self.param_group.reshard(free=not keep)
+        if not keep:
             self.param_group.drop()  # the optimizer changes the masters next
         self.state = TrainingState.IDLE
 
@@ -232,6 +233,12 @@ class FSDPUnit:
             return  # (UNSHARDED while idle: module.unshard() put them in place already)
         if self.reshard_after_backward or not self._kept_from_backward():
             self.param_group.prefetch()
+
+    def keeps_gathered_after_backward(self) -> bool:
+        """set_reshard_after_backward(False) keeps the gathered parameters after a backward that did
+        not synchronise gradients (accumulation: no optimizer step can follow it), outside capture."""
+        return (not self.reshard_after_backward and not self.requires_gradient_sync
+                and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 
     def _kept_from_backward(self) -> bool:
         """Gathered parameters kept after the last backward (set_reshard_after_backward(False)) that
