@@ -41,6 +41,9 @@ SAVED_AT = 3  # steps trained before the checkpoint
 STEPS = 6  # the uninterrupted run; a resumed run trains steps SAVED_AT .. STEPS - 1
 GLOBAL_ROWS = 6  # rows of a step's global batch: split evenly over 1, 2 or 3 ranks
 WRITER_WORLD_SIZE = 2
+# Checkpoints are device-independent: these run on CPU with gloo everywhere (on a GPU machine, 3
+# ranks over 2 GPUs would put CUDA tensors on gloo, which FSDP2's own collectives do not survive).
+CPU = torch.device("cpu")
 # Losses of the same global batch from runs that differ only in how the batch, the gradient sums
 # and the optimizer state are split over ranks (or libraries): equal up to fp32 rounding.
 RTOL, ATOL = 1e-5, 1e-6
@@ -52,7 +55,7 @@ def build(info, library: str, seed: int):
     fully_shard (each block, then the root), and its AdamW."""
     fully_shard = importlib.import_module(LIBRARIES[library]).fully_shard
     torch.manual_seed(seed)
-    model = TinyLM(n_blocks=2).to(info.device)
+    model = TinyLM(n_blocks=2).to(CPU)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -62,7 +65,7 @@ def build(info, library: str, seed: int):
 
 def batch(step: int, info) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of step ``step``'s global batch (the same global batch at any world size)."""
-    idx, targets = global_batch(step, GLOBAL_ROWS, info.device, per_rank=1)
+    idx, targets = global_batch(step, GLOBAL_ROWS, CPU, per_rank=1)
     return local_part(idx, info.rank, info.world_size), local_part(targets, info.rank, info.world_size)
 
 
@@ -133,7 +136,7 @@ def _write_checkpoints(info, root: str) -> None:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("checkpoints")
-    run_ranks(_write_checkpoints, WRITER_WORLD_SIZE, str(root))
+    run_ranks(_write_checkpoints, WRITER_WORLD_SIZE, str(root), backend="gloo")
     return str(root)
 
 
@@ -175,21 +178,20 @@ def _resume_each(info, root: str, pairs: list[tuple[str, str]]) -> None:
 
 def test_a_dcp_checkpoint_moves_between_fsdp2_and_fsdp_graph(checkpoints):
     """Same world size, both directions (one launch: each rank pays torch's lazy imports once)."""
-    run_ranks(_resume_each, WRITER_WORLD_SIZE, checkpoints, [("fsdp2", "fsdp_graph"), ("fsdp_graph", "fsdp2")])
+    run_ranks(_resume_each, WRITER_WORLD_SIZE, checkpoints, [("fsdp2", "fsdp_graph"), ("fsdp_graph", "fsdp2")],
+              backend="gloo")
 
 
 def test_a_dcp_checkpoint_reshards_to_more_ranks(checkpoints):
     """2 ranks -> 3: fsdp_graph's checkpoint and FSDP2's, both into fsdp_graph."""
-    run_ranks(_resume_each, 3, checkpoints, [("fsdp_graph", "fsdp_graph"), ("fsdp2", "fsdp_graph")])
+    run_ranks(_resume_each, 3, checkpoints, [("fsdp_graph", "fsdp_graph"), ("fsdp2", "fsdp_graph")], backend="gloo")
 
 
 # DCP says so when it runs without a process group (its documented single-process mode).
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 def test_a_dcp_checkpoint_reshards_to_one_process_without_a_process_group(checkpoints, monkeypatch):
     """2 ranks -> a plain ``python script.py`` (this process): no process group, so fsdp_graph's
-    parameters are plain full-shape tensors and DCP runs in its single-process mode.
-    (``run_ranks(fn, 1)`` cannot stand in: after ``fn`` it calls ``dist.barrier()``, which needs a
-    process group that ``init_distributed`` does not create at world size 1.)"""
+    parameters are plain full-shape tensors and DCP runs in its single-process mode."""
     for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -218,7 +220,7 @@ def _load_plain_state_dict(info, root: str) -> None:
 
 
 def test_a_plain_module_state_dict_saved_with_dcp_loads_at_another_world_size(checkpoints):
-    run_ranks(_load_plain_state_dict, 3, checkpoints)
+    run_ranks(_load_plain_state_dict, 3, checkpoints, backend="gloo")
 
 
 # -- full state dicts ----------------------------------------------------------------------------
@@ -248,7 +250,7 @@ def _full_state_dicts(info) -> None:
     full, full_optim, params, trained = {}, {}, {}, {}
     for library in LIBRARIES:
         torch.manual_seed(0)
-        reference = TinyLM(n_blocks=2).to(info.device)  # what build(seed=0) shards
+        reference = TinyLM(n_blocks=2).to(CPU)  # what build(seed=0) shards
         model, optimizer = build(info, library, seed=0)
         reference_params = dict(reference.named_parameters())
         for name, p in model.named_parameters():
@@ -293,7 +295,7 @@ def _full_state_dicts(info) -> None:
 
     # From rank 0: another (unsharded) model's values.
     torch.manual_seed(7)
-    source = TinyLM(n_blocks=2).to(info.device)
+    source = TinyLM(n_blocks=2).to(CPU)
     model, _ = build(info, "fsdp_graph", seed=0)
     set_model_state_dict(model, source.state_dict() if info.rank == 0 else {}, options=from_rank0)
     check_tied(model)
@@ -308,4 +310,4 @@ def _full_state_dicts(info) -> None:
 
 
 def test_full_state_dicts_match_fsdp2_and_load_from_rank_0():
-    run_ranks(_full_state_dicts, 2)
+    run_ranks(_full_state_dicts, 2, backend="gloo")
