@@ -13,6 +13,7 @@ world size.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import os
 
@@ -54,6 +55,10 @@ def build(info, library: str, seed: int):
     """TinyLM (tied embedding/head, a frozen LayerNorm weight, a buffer) sharded by ``library``'s
     fully_shard (each block, then the root), and its AdamW."""
     fully_shard = importlib.import_module(LIBRARIES[library]).fully_shard
+    if dist.is_initialized():  # a CPU mesh: FSDP2's default mesh is CUDA's wherever there is a GPU
+        from torch.distributed.device_mesh import init_device_mesh
+
+        fully_shard = functools.partial(fully_shard, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     torch.manual_seed(seed)
     model = TinyLM(n_blocks=2).to(CPU)
     for block in model.blocks:

@@ -40,7 +40,8 @@ def _steady_state_allocations(info, mp_policy) -> None:
     with watch_steps(before, after):
         for step in range(6):
             if step == 3:
-                counts.clear()  # warm-up done: slots, dedicated buffers, optimizer state exist
+                counts.clear()  # warm-up done: slots, dedicated buffers, staging, optimizer state exist
+                transient.clear()
             loss = local_loss(model, step, info)
             loss.backward()
             fsdp_graph.clip_grad_norm_(model, 1.0)
