@@ -4,7 +4,9 @@ Each rank is a fresh process (forkserver: torch is imported once, no CUDA state 
 with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, and calls
 ``fsdp_graph.init_distributed(backend)`` itself. The backend is NCCL when there are enough
 GPUs, gloo otherwise (or what FSDP_GRAPH_TEST_BACKEND says). A rank's exception fails the test
-with that rank's traceback.
+with that rank's traceback. A rank still running after the time limit is killed, and the test
+fails with where every hung rank waited: its Python stacks and its last collectives
+(``collective_record.py``: which collective, of which unit and step, whether it returned).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +41,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str, error_file: str, args) -> None:
+def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str, error_file: str, timeout: float,
+               args) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -53,10 +57,15 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str
 
     import torch.distributed as dist
 
+    dump_after = max(timeout - min(15.0, timeout / 4), 1.0)
     stacks = open(error_file + ".stacks", "w")  # a hung rank leaves its Python stacks here
-    faulthandler.dump_traceback_later(max(TIMEOUT_S - 15, 5), file=stacks)
+    faulthandler.dump_traceback_later(dump_after, file=stacks)
+
+    from collective_record import record_collectives
 
     import fsdp_graph
+
+    record_collectives(error_file + ".collectives", dump_after)  # ... and its last collectives here
 
     code = 0
     try:
@@ -77,20 +86,23 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str
     os._exit(code)
 
 
-def run_ranks(fn: Callable, world_size: int, *args, backend: str | None = None) -> None:
-    """Run ``fn(info, *args)`` on ``world_size`` ranks; ``fn`` must be a module-level function."""
+def run_ranks(fn: Callable, world_size: int, *args, backend: str | None = None, timeout: float | None = None) -> None:
+    """Run ``fn(info, *args)`` on ``world_size`` ranks; ``fn`` must be a module-level function.
+    ``timeout``: seconds before a rank still running counts as hung (FSDP_GRAPH_TEST_TIMEOUT, 240)."""
     backend = backend or backend_for(world_size)
+    timeout = TIMEOUT_S if timeout is None else timeout
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         errors = [os.path.join(tmp, f"rank{r}.err") for r in range(world_size)]
         procs = [
-            _ctx.Process(target=_rank_main, args=(fn, r, world_size, port, backend, errors[r], args))
+            _ctx.Process(target=_rank_main, args=(fn, r, world_size, port, backend, errors[r], timeout, args))
             for r in range(world_size)
         ]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout
         for p in procs:
-            p.join(TIMEOUT_S)
+            p.join(max(0.0, deadline - time.monotonic()))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
@@ -98,11 +110,21 @@ def run_ranks(fn: Callable, world_size: int, *args, backend: str | None = None) 
                 p.join()
         reports = [f"--- rank {r} ---\n{Path(e).read_text()}" for r, e in enumerate(errors) if os.path.exists(e)]
         if hung:
-            reports += [f"--- rank {r} stacks when it hung ---\n{Path(errors[r] + '.stacks').read_text()}"
-                        for r in range(world_size) if os.path.exists(errors[r] + ".stacks")]
+            reports += [_hang_report(r, errors[r]) for r in hung]
         if reports or hung:
-            detail = "\n".join(reports) or f"ranks {hung} did not finish within {TIMEOUT_S:.0f}s"
+            detail = "\n".join(reports)
+            if hung:
+                detail = f"ranks {hung} did not finish within {timeout:.0f}s\n{detail}"
             raise AssertionError(f"{fn.__name__} failed on {backend} x{world_size}:\n{detail}")
         codes = [p.exitcode for p in procs]
         if any(codes):
             raise AssertionError(f"{fn.__name__}: rank exit codes {codes} on {backend} x{world_size}")
+
+
+def _hang_report(rank: int, error_file: str) -> str:
+    parts = [f"--- rank {rank} hung ---"]
+    for suffix, title in ((".collectives", "last collectives (oldest first)"), (".stacks", "Python stacks")):
+        path = error_file + suffix
+        text = Path(path).read_text().strip() if os.path.exists(path) else ""
+        parts.append(f"{title}:\n{text or '(not written: the rank did not reach the dump time)'}")
+    return "\n".join(parts)
