@@ -327,6 +327,21 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
     return record
 
 
+def make_deterministic() -> None:
+    """Before CUDA and NCCL start: deterministic kernels (cuBLAS needs its workspace setting) and one
+    NCCL algorithm and protocol, so that a rerun, or another system of ours, gives the same bits."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    os.environ.setdefault("NCCL_PROTO", "Simple")
+    torch.use_deterministic_algorithms(True)
+
+
+def ours_not_bitwise(records: list[dict]) -> list[str]:
+    """Our systems whose losses are not ours_eager's bit for bit (a bug, in deterministic mode)."""
+    return [f"{r['config']}/{r['system']}" for r in records
+            if r["system"].startswith("ours_") and r.get("losses_bitwise_equal_ours") is False]
+
+
 def compare_losses(records: list[dict]) -> None:
     """Each system's losses against ours_eager's: bitwise equal, or within LOSS_RTOL."""
     by_key = {(r["config"], r["system"]): r for r in records}
@@ -443,6 +458,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hot-path", action="store_true", help="also time our per-layer hooks and replays (adds overhead)")
     p.add_argument("--profile", action="store_true",
                    help="also break the whole-graph systems' GPU time down by kernel kind")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels and a fixed NCCL algorithm: every system of ours must then give "
+                        "ours_eager's losses bit for bit (a difference is a bug; the run exits with status 1)")
     p.add_argument("--out", default="bench")
     p.add_argument("--plot", metavar="RESULTS_JSON", help="only draw the chart from an earlier run's results")
     args = p.parse_args(argv)
@@ -469,6 +487,8 @@ def main(argv=None) -> None:
         if plot(records, path):
             print(f"wrote {path}")
         return
+    if args.deterministic:
+        make_deterministic()
     info = fsdp_graph.init_distributed()
     env = Env(info.rank, info.world_size, info.device)
     records = []
@@ -494,9 +514,14 @@ def main(argv=None) -> None:
             fh.write(table)
         print(table)
         plot(records, os.path.join(args.out, "step_time.png"))
+    differing = ours_not_bitwise(records) if args.deterministic else []
+    if differing and info.is_main:
+        print(f"deterministic mode: losses differ from ours_eager's for {', '.join(differing)}: a bug")
     if dist.is_initialized():
         time.sleep(0.05)  # gloo shutdown race, see train_gpt.py
         dist.destroy_process_group()
+    if differing:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

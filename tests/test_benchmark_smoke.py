@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_benchmark_smoke_run_writes_records_table_and_chart(tmp_path):
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "examples" / "benchmark.py"), "--smoke", "--hot-path", "--out", str(tmp_path)]
+           str(REPO / "examples" / "benchmark.py"), "--smoke", "--hot-path", "--deterministic",
+           "--out", str(tmp_path)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -48,3 +49,13 @@ def test_host_call_counter_counts_the_hot_path():
     first, second = count_calls(steps=2), count_calls(steps=2)
     assert first["fsdp_graph"] == second["fsdp_graph"] > 0 and first["all"] > first["fsdp_graph"]
     assert first["fsdp/unit.py:pre_forward"] == 13 and first["fsdp/unit.py:post_backward"] == 13  # 12 blocks + root
+
+
+def test_deterministic_mode_names_our_systems_that_are_not_bitwise():
+    from examples.benchmark import compare_losses, ours_not_bitwise
+
+    records = [{"config": "small", "system": name, "losses": losses} for name, losses in (
+        ("ours_eager", [2.0, 1.5]), ("ours_layer_graphs", [2.0, 1.5]), ("ours_full_iteration", [2.0, 1.5000001]),
+        ("fsdp2_eager", [2.0, 1.4]))]
+    compare_losses(records)
+    assert ours_not_bitwise(records) == ["small/ours_full_iteration"]  # FSDP2's differences are reported only
