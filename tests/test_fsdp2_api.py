@@ -370,3 +370,56 @@ def test_a_unit_rebuilt_for_a_tied_parameter_keeps_its_settings_and_prefetch_lis
     assert model.blocks[1].fsdp_unit.backward_prefetch == [model.blocks[0].fsdp_unit, model.emb.fsdp_unit]
     idx, targets = global_batch(0, 1, torch.device("cpu"))
     F.cross_entropy(model(idx).flatten(0, 1), targets.flatten()).backward()
+
+
+def _optimizer_in_backward(info) -> None:
+    """register_post_accumulate_grad_hook on the sharded parameters (optimizer in backward) runs
+    once per parameter and backward, with the reduced gradient, as in FSDP2: same weights."""
+    import torch.distributed.fsdp as fsdp2
+
+    from models import build
+
+    weights = {}
+    for lib in (fsdp2, fsdp_graph):
+        model, _ = build(info.device)
+        for block in model.blocks:
+            lib.fully_shard(block)
+        lib.fully_shard(model)
+        calls = []
+        optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters() if p.requires_grad}
+
+        def step_now(param, optimizers=optimizers, calls=calls):
+            calls.append(1)
+            optimizers[param].step()
+            optimizers[param].zero_grad()
+
+        for p in optimizers:
+            p.register_post_accumulate_grad_hook(step_now)
+        for step in range(2):
+            idx, targets = global_batch(step, info.world_size, info.device)
+            logits = model(local_part(idx, info.rank, info.world_size))
+            F.cross_entropy(logits.flatten(0, 1), local_part(targets, info.rank, info.world_size).flatten()).backward()
+        assert len(calls) == 2 * len(optimizers), (lib.__name__, len(calls))
+        weights[lib.__name__] = [p.full_tensor() for p in model.parameters()]
+    for ours, theirs in zip(weights["fsdp_graph"], weights["torch.distributed.fsdp"]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_post_accumulate_grad_hooks_run_as_in_fsdp2():
+    run_ranks(_optimizer_in_backward, 2)
+
+
+def test_tensor_parallel_parameters_are_refused_with_the_fix():
+    run_ranks(_tp_refused, 2)
+
+
+def _tp_refused(info) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    layer = nn.Linear(4, 4).to(info.device)
+    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [TShard(1)]))
+    with pytest.raises(ValueError, match="'weight' is already a DTensor.*tensor parallel"):
+        fsdp_graph.fully_shard(layer)

@@ -51,9 +51,9 @@ class FSDPModule:
         """False: after a backward without gradient sync (accumulation, as FSDP2 uses it) the unit
         keeps its gathered parameters, and the next forward uses them without an all-gather. A
         synchronised backward always reshards (the optimizer step follows), and an optimizer step
-        or a ``load_state_dict`` in between makes the next forward gather again. Not seen: writes to
-        the parameters by other means (``.data``, a bare ``dcp.load``) between an unsynchronised
-        backward and the next forward. A unit sharing a double-buffer slot keeps its parameters
+        or a ``load_state_dict`` in between makes the next forward gather again. Not seen: other
+        writes to the parameters (in place through them, ``.data``, a bare ``dcp.load``) between an
+        unsynchronised backward and the next forward. A unit sharing a double-buffer slot keeps its parameters
         only until another unit takes the slot."""
         units = units_in(self) if recurse else [unit_of(self)]
         if not reshard_after_backward:
@@ -206,10 +206,11 @@ def _param_refs(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Mod
 
 
 def _choose_device(module: nn.Module, mesh: ShardMesh) -> torch.device:
-    """Where the unit lives, as FSDP2 decides: the mesh's device type (a given mesh, or NCCL's
-    CUDA), on the current CUDA device; otherwise the parameters' device. A meta-device model
-    (initialised after ``to_empty``, see ``FSDPModule._apply``) without a mesh lives on the current
-    CUDA device when there is one and no CPU process group, else on the CPU."""
+    """Where the unit lives, as FSDP2 decides: the mesh's device type, on the current CUDA device
+    for CUDA (a given mesh; one made from a process group is NCCL's CUDA, else the parameters'
+    device type, and CUDA for a meta-device model when there is a GPU, see ``_param_device_type``).
+    Without a process group: the parameters' device, or for a meta-device model (initialised after
+    ``to_empty``, see ``FSDPModule._apply``) the current CUDA device when there is one, else the CPU."""
     if mesh.mesh is not None and mesh.mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     if mesh.mesh is not None:

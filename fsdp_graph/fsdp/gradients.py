@@ -125,6 +125,7 @@ class UnitGradients:
             reduce_scatter_sum(reduced, grads, self.group)
             all_reduce(reduced, self.replicate_group)
             self._accumulate_sharded(reduced)
+            self._run_post_accumulate_hooks()
 
     def _accumulate_sharded(self, reduced: torch.Tensor) -> None:
         """master.grad (+)= reduced / world_size, as autograd would accumulate into ``.grad``."""
@@ -146,6 +147,23 @@ class UnitGradients:
                     self._local_views[i].zero_()
                     master.grad = grad = view
                 local_tensor(grad).add_(piece, alpha=scale)
+
+    def _run_post_accumulate_hooks(self) -> None:
+        """Hooks registered on the masters with ``register_post_accumulate_grad_hook`` (optimizer in
+        backward): run once the master's ``.grad`` holds the reduced gradient, as FSDP2 runs them
+        (autograd never accumulates into a master, so it would never call them). On GPU they run
+        on the reduce stream, after the reduce. A whole-step graph cannot replay Python: refused."""
+        for master in self._masters:
+            hooks = master._post_accumulate_grad_hooks
+            if hooks:
+                if master.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(
+                        "a parameter of this model has a post-accumulate-grad hook (optimizer in backward), "
+                        "which a whole-step CUDA graph cannot replay. Step the optimizer after backward, or "
+                        "use GraphConfig(strategy='layer') / 'none'."
+                    )
+                for hook in list(hooks.values()):
+                    hook(master)
 
     # -- between steps ----------------------------------------------------------------------
     def clear(self) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .buffers import BufferDtypes, CommScratch, Placement, PlacementRequest, SlotPool
 from .collectives import CommStreams
@@ -49,6 +50,12 @@ class UnitConfig:
 def _dtypes(name: str, params: list[tuple[str, nn.Parameter, list]], policy: MixedPrecisionPolicy):
     """(compute, reduce, master) dtypes, or an error naming the parameter and the fix."""
     for pname, p, _ in params:
+        if type(p).__name__ == "DTensor" or isinstance(getattr(p, "data", None), DTensor):
+            raise ValueError(
+                f"FSDP unit {name}: parameter '{pname}' is already a DTensor (tensor parallel?). fsdp_graph "
+                "shards plain parameters only; combining it with tensor parallelism is not supported. Shard "
+                "the model without parallelize_module, or use torch.distributed.fsdp for FSDP + TP."
+            )
         if p.ndim == 0:
             raise ValueError(
                 f"FSDP unit {name}: parameter '{pname}' is a 0-d (scalar) tensor; fully_shard shards parameters "
