@@ -228,3 +228,24 @@ def test_a_divide_factor_set_after_capture_is_refused_not_ignored():
     model.blocks[0].set_gradient_divide_factor(3.0)
     with pytest.raises(RuntimeError, match="set_gradient_divide_factor was called after the whole-step graph"):
         step(*_cuda_batch())
+
+
+@needs_one
+def test_post_accumulate_grad_hooks_are_refused_inside_a_whole_step_graph():
+    model = _single_gpu_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    calls = []
+    next(model.blocks[0].parameters()).register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    step = fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, opt, config=_whole_step(1),
+                                      example_batch=_cuda_batch())
+    step(*_cuda_batch())  # eager warm-up: the hook runs
+    assert calls == [1]
+    with pytest.raises(RuntimeError, match="post-accumulate-grad hook.*cannot replay"):
+        step(*_cuda_batch())
+
+
+@needs_one
+def test_moving_a_sharded_model_to_another_device_is_refused():
+    model = _single_gpu_model()
+    with pytest.raises(RuntimeError, match="moved to cpu, but fully_shard placed its unit on cuda"):
+        model.cpu()

@@ -81,13 +81,13 @@ class ShardedParam:
         """A tensor of this rank's rows (a gradient) as the master's kind: DTensor or plain."""
         return self.mesh.wrap(local, self.span.shape)
 
-    def reattach(self) -> torch.Tensor | None:
+    def reattach(self) -> None:
         """After ``Module._apply`` (``to_empty``, ``.to(device)``): the master's tensor is no longer the
         view of ``master_flat``; copy its values there and point the master back at the view. A move
-        to another device than the unit's is refused. Returns the tensor found (None: it was the view)."""
+        to another device than the unit's is refused."""
         found = local_tensor(self.master)
         if not self.moved():
-            return None
+            return
         if found.dtype != self.local.dtype or found.shape != self.local.shape:
             raise RuntimeError(
                 f"parameter '{self.name}' changed to dtype {found.dtype} / shape {tuple(found.shape)}: the sharded "
@@ -107,7 +107,6 @@ class ShardedParam:
             self.master._local_tensor = self.local
         else:
             self.master.data = self.local
-        return found
 
     def retag(self) -> None:
         """Tag the master again (``Module._apply`` swaps a DTensor's ``__dict__``, tags included)."""

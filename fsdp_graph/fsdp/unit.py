@@ -50,7 +50,7 @@ class UnitConfig:
 def _dtypes(name: str, params: list[tuple[str, nn.Parameter, list]], policy: MixedPrecisionPolicy):
     """(compute, reduce, master) dtypes, or an error naming the parameter and the fix."""
     for pname, p, _ in params:
-        if type(p).__name__ == "DTensor" or isinstance(getattr(p, "data", None), DTensor):
+        if isinstance(p, DTensor):
             raise ValueError(
                 f"FSDP unit {name}: parameter '{pname}' is already a DTensor (tensor parallel?). fsdp_graph "
                 "shards plain parameters only; combining it with tensor parallelism is not supported. Shard "
@@ -168,22 +168,15 @@ class FSDPUnit:
         self._order.record_forward(self)
         group = self.param_group
         state = group.state
-        if not self.reshard_after_backward and self._kept_from_backward():
-            pass
-        elif state is not ShardState.PREFETCHED and state is not ShardState.UNSHARDED:
+        kept = not self.reshard_after_backward and self._kept_from_backward()
+        if not kept and state is not ShardState.PREFETCHED and state is not ShardState.UNSHARDED:
             group.unshard()  # (UNSHARDED here: the user called module.unshard() before this forward)
         if group.sync_requires_grad():
             self.grads.refresh_trainable()
             self._grad_hooks_current = False
         group.use()
         self.state = TrainingState.FORWARD
-        if self.forward_prefetch is not None:
-            for unit in self.forward_prefetch:
-                unit.prefetch(for_backward=False)
-        else:
-            following = self._order.after_in_forward(self)
-            if following is not None:
-                following.prefetch(for_backward=False)
+        self._prefetch_next(self.forward_prefetch, self._order.after_in_forward, for_backward=False)
         return True
 
     def post_forward(self) -> bool:
@@ -210,14 +203,16 @@ class FSDPUnit:
         self.state = TrainingState.BACKWARD
         self.grads.prepare(group.buffers, self.requires_gradient_sync)
         self._grads_accumulated = 0
-        if self.backward_prefetch is not None:
-            for unit in self.backward_prefetch:
-                unit.prefetch(for_backward=True)
-        else:
-            previous = self._order.after_in_backward(self)
-            if previous is not None:
-                previous.prefetch(for_backward=True)
+        self._prefetch_next(self.backward_prefetch, self._order.after_in_backward, for_backward=True)
         return True
+
+    def _prefetch_next(self, explicit: list[FSDPUnit] | None, neighbour, for_backward: bool) -> None:
+        """The units set by set_modules_to_*_prefetch, else the neighbour in the recorded order."""
+        if explicit is None:
+            following = neighbour(self)
+            explicit = () if following is None else (following,)
+        for unit in explicit:
+            unit.prefetch(for_backward=for_backward)
 
     def post_backward(self) -> None:
         check_transition(self.name, "post_backward", self.state, (TrainingState.BACKWARD,))
