@@ -144,6 +144,18 @@ def _single_gpu_model():
     return fsdp_graph.fully_shard(model)
 
 
+def _single_gpu_whole_step(before_step=None):
+    """(model, capturable AdamW, whole-step train step with one warm-up); ``before_step(model)``
+    runs before the step is made."""
+    model = _single_gpu_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    if before_step is not None:
+        before_step(model)
+    step = fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, opt, config=_whole_step(1),
+                                      example_batch=_cuda_batch())
+    return model, opt, step
+
+
 def _cuda_batch(seq_len=CFG.seq_len):
     idx = torch.randint(0, CFG.vocab_size, (MICRO_BATCH, seq_len), device="cuda")
     return idx, (idx * 7 + 3) % CFG.vocab_size
@@ -169,10 +181,7 @@ def test_host_sync_in_the_step_is_found_by_the_warmup_before_capture():
 
 @needs_one
 def test_full_iteration_refuses_other_shapes_and_a_replaced_learning_rate():
-    model = _single_gpu_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
-    step = fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, opt, config=_whole_step(1),
-                                      example_batch=_cuda_batch())
+    model, opt, step = _single_gpu_whole_step()
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and opt.param_groups[0]["lr"].is_cuda
     for _ in range(3):
         loss = step(*_cuda_batch())
@@ -217,10 +226,7 @@ def test_whole_eval_graph_refuses_layer_eval_graphs_which_fall_back_with_grad_en
 
 @needs_one
 def test_a_divide_factor_set_after_capture_is_refused_not_ignored():
-    model = _single_gpu_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
-    step = fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, opt, config=_whole_step(1),
-                                      example_batch=_cuda_batch())
+    model, opt, step = _single_gpu_whole_step()
     model.blocks[0].set_gradient_divide_factor(2.0)  # before capture: captured with it
     for _ in range(3):
         step(*_cuda_batch())
@@ -232,12 +238,9 @@ def test_a_divide_factor_set_after_capture_is_refused_not_ignored():
 
 @needs_one
 def test_post_accumulate_grad_hooks_are_refused_inside_a_whole_step_graph():
-    model = _single_gpu_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
     calls = []
-    next(model.blocks[0].parameters()).register_post_accumulate_grad_hook(lambda p: calls.append(1))
-    step = fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, opt, config=_whole_step(1),
-                                      example_batch=_cuda_batch())
+    model, opt, step = _single_gpu_whole_step(
+        lambda m: next(m.blocks[0].parameters()).register_post_accumulate_grad_hook(lambda p: calls.append(1)))
     step(*_cuda_batch())  # eager warm-up: the hook runs
     assert calls == [1]
     with pytest.raises(RuntimeError, match="post-accumulate-grad hook.*cannot replay"):
