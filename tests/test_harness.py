@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -13,8 +14,9 @@ from models import build, local_loss, shard
 
 def _rank_one_never_joins(info) -> None:
     """Rank 1 trains one step, then stops taking part; rank 0 starts the next step and waits in
-    the root's all-gather for a rank that never comes."""
-    model, _ = build(torch.device("cpu"))
+    the root's all-gather for a rank that never comes. On CPU everywhere (gloo), GPUs or not."""
+    info = dataclasses.replace(info, device=torch.device("cpu"))
+    model, _ = build(info.device)
     shard(model)
     local_loss(model, 0, info).backward()
     if info.rank == 1:

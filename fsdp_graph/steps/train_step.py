@@ -170,6 +170,7 @@ class GraphedTrainStep:
         return loss
 
     def _capture(self) -> None:
+        self._refuse_post_accumulate_hooks()
         # The capture records one Python path: start it from "no gradient", as every eager step
         # does, so the graph overwrites the sharded gradients instead of adding to them.
         self.body.clear_grads()
@@ -177,6 +178,19 @@ class GraphedTrainStep:
         self.graph, self.static_loss = capture_whole(
             "make_train_step", lambda: self.body.run(tuple(self.inputs.tensors)), self.contexts, self.stream
         )
+
+    def _refuse_post_accumulate_hooks(self) -> None:
+        """A post-accumulate-grad hook (optimizer in backward) is Python the graph would run once, at
+        capture, and never at replay: refused before the capture starts (a refusal raised inside it
+        would leave the capture, and the process's CUDA RNG, broken)."""
+        hooked = [f"{param.name} of unit {unit.name}" for unit in self.body.units for param in unit.params
+                  if param.master._post_accumulate_grad_hooks]
+        if hooked:
+            raise RuntimeError(
+                f"make_train_step: {', '.join(hooked)} has a post-accumulate-grad hook (optimizer in backward), "
+                "which a whole-step CUDA graph cannot replay. Step the optimizer after backward, or use "
+                "GraphConfig(strategy='layer') / 'none'."
+            )
 
     def _expose_grads(self) -> None:
         """The graph wrote this step's gradients into the units' sharded gradient buffers: point
