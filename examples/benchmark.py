@@ -410,6 +410,8 @@ def markdown(records: list[dict]) -> str:
                       f"not covered by compute kernels {prof['exposed_ms_per_step']:.2f} ms", "",
                       "| kernels | ms per step |", "|---|---|"]
             lines += [f"| {kind} | {ms:.2f} |" for kind, ms in prof["kernel_ms_per_step"].items()]
+            lines += ["", "| heaviest kernels | ms per step |", "|---|---|"]
+            lines += [f"| `{name}` | {ms:.3f} |" for name, ms in prof.get("top_kernels_ms_per_step", {}).items()]
     for r in records:
         if r.get("hot_path_us"):
             lines += ["", f"Host time per call, {r['config']} / {r['system']} (--hot-path, extra steps):", "",

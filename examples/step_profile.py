@@ -22,6 +22,9 @@ KINDS = (  # first match wins
 )
 
 
+TOP_KERNELS, MAX_NAME = 12, 110  # the heaviest kernels by name, names cut to this length
+
+
 def _kind(name: str) -> str:
     lower = name.lower()
     for kind, keys in KINDS:
@@ -41,6 +44,7 @@ def kernel_breakdown(step, batches, steps: int = 5) -> dict:
             step(*batches[i % len(batches)])
         torch.cuda.synchronize()
     by_kind: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
     compute_us, start, end = 0.0, None, None
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA or event.time_range.elapsed_us() <= 0:
@@ -48,6 +52,7 @@ def kernel_breakdown(step, batches, steps: int = 5) -> dict:
         us = event.time_range.elapsed_us()
         kind = _kind(event.name)
         by_kind[kind] += us
+        by_name[event.name] += us
         if not kind.startswith("nccl"):
             compute_us += us
         start = event.time_range.start if start is None else min(start, event.time_range.start)
@@ -56,5 +61,7 @@ def kernel_breakdown(step, batches, steps: int = 5) -> dict:
         return {"note": "the profiler recorded no kernels (CUPTI unavailable?)"}
     wall_ms = (end - start) / 1e3 / steps
     per_step = {kind: us / 1e3 / steps for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1])}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     return {"kernel_ms_per_step": per_step, "gpu_span_ms_per_step": wall_ms,
+            "top_kernels_ms_per_step": {name[:MAX_NAME]: us / 1e3 / steps for name, us in top},
             "exposed_ms_per_step": max(wall_ms - compute_us / 1e3 / steps, 0.0)}

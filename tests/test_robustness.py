@@ -47,6 +47,29 @@ def test_training_continues_after_an_exception_in_backward():
     train_beside_reference(model, ref, optimizers=optimizers)
 
 
+def test_a_backward_that_fails_midway_through_a_unit_leaves_no_stale_gradient():
+    """The failure comes after block 2's ``out`` accumulated into the unit's persistent gradient
+    buffer and before its reduce (which zeroes the buffer): the next step must not add it in."""
+    model, ref = build(CPU)
+    shard(model)
+    optimizers = sgd_pair(model, ref)
+    idx, targets = global_batch(0, 1, CPU)
+
+    def fail(grad):
+        raise RuntimeError("boom")
+
+    def arm(module, args, out):
+        out.register_hook(fail)
+
+    handle = model.blocks[2].fc.register_forward_hook(arm)
+    with pytest.raises(RuntimeError, match="boom"):
+        nn.functional.cross_entropy(model(idx).flatten(0, 1), targets.flatten()).backward()
+    handle.remove()
+    for o in optimizers:
+        o.zero_grad()
+    train_beside_reference(model, ref, optimizers=optimizers)
+
+
 def test_first_call_under_inference_mode_then_training():
     model, ref = build(CPU)
     shard(model)

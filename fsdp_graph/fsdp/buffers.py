@@ -46,6 +46,15 @@ class GradBuffer:
 
     tensor: torch.Tensor
     reduce_done: Any = None  # torch.cuda.Event on GPU
+    zeroed: bool = True  # all zeros once ``reduce_done`` has passed (the reduce zeroes what it read)
+
+    def take_for_backward(self) -> None:
+        """Hand the buffer to a backward that accumulates into it: zero unless the last reduce
+        already did (on its stream, off the compute stream's path), or the buffer is new."""
+        self.wait_until_reduced()
+        if not self.zeroed:
+            self.tensor.zero_()  # the whole buffer: an abandoned backward may have written anywhere
+        self.zeroed = False
 
     def wait_until_reduced(self) -> None:
         if self.reduce_done is not None:

@@ -1,7 +1,8 @@
 """A unit's gradients: persistent unsharded targets, ``no_sync`` accumulation, the reduce-scatter.
 
 Before the unit's backward, ``prepare`` points every trainable unsharded parameter's ``.grad`` at
-a view of a persistent buffer (zeroed), so AccumulateGrad adds into it in place and never adopts
+a view of a persistent buffer (zero: the reduce that last read it zeroed it on the reduce stream,
+off the compute stream's path), so AccumulateGrad adds into it in place and never adopts
 a tensor of its own: gradient addresses are fixed. The buffer is the unit's gradient buffer (next
 to its parameter buffer), or, while gradients accumulate without synchronisation (``no_sync``), a
 per-unit accumulation buffer that keeps its sum until the next synchronised backward.
@@ -70,8 +71,7 @@ class UnitGradients:
         else:
             target, views = buffers.grads, self._views_into(buffers)
         if not (accumulate and self.accumulation_pending):
-            target.wait_until_reduced()
-            target.tensor[: self.layout.unsharded_numel].zero_()
+            target.take_for_backward()
         for i in self.trainable:
             self.params[i].unsharded.grad = views[i]
         self._target = target
@@ -121,6 +121,8 @@ class UnitGradients:
         _, by_rank, grads, reduced = self._staging
         with streams.enter(streams.reduce):
             layout.copy_in(self._sources(target), by_rank)
+            target.tensor[: layout.unsharded_numel].zero_()  # ready for the next backward, off its path
+            target.zeroed = True
             target.reduce_done = streams.record(streams.reduce)  # the target is free again
             reduce_scatter_sum(reduced, grads, self.group)
             all_reduce(reduced, self.replicate_group)
@@ -133,8 +135,11 @@ class UnitGradients:
         masters, views = self._masters, self._trainable_views
         current = [m.grad for m in masters]
         if all(map(operator.is_, current, repeat(None))):
-            self.sharded_flat.zero_()
-            self.sharded_flat.add_(reduced, alpha=scale)
+            if reduced.dtype == self.sharded_flat.dtype:
+                torch.mul(reduced, scale, out=self.sharded_flat)  # one pass instead of zero_ + add_
+            else:  # add_ scales in the master dtype (a mul would scale in the reduce dtype)
+                self.sharded_flat.zero_()
+                self.sharded_flat.add_(reduced, alpha=scale)
             for master, view in zip(masters, views):
                 master.grad = view
         elif all(map(operator.is_, current, views)):

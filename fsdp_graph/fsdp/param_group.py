@@ -135,6 +135,7 @@ class ParamGroup:
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(tensor.numel() * tensor.element_size())
+                self.buffers.grads.zeroed = False  # new memory: whatever was there
 
     def _acquire(self, prefetch: bool) -> bool:
         """Own a buffer for the unsharded parameters; False when a prefetch finds it busy."""
