@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from .fsdp_options import Options, list_of_modules, resolve_options
 from .hooks import register_unit_hooks, run_as_forward
+from .local_optimizer_step import install as install_local_optimizer_steps
 from .mesh import ShardMesh, resolve_mesh
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ShardState, note_master_writes, watch_master_writes
@@ -401,6 +402,8 @@ def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist
         )
     _refuse_if_pinned(module)
     mesh = resolve_mesh(options.mesh, options.process_group, _param_device_type(module))
+    if mesh.shard_group is not None:
+        install_local_optimizer_steps()  # the masters will be DTensors: step them on their local shards
     device = _choose_device(module, mesh)
     _move_buffers(module, device)
     config = UnitConfig(options.mp_policy, double_buffer, persist_buffer_on_alloc_fail, options.reshard_after_forward)

@@ -1,0 +1,124 @@
+"""torch's element-wise optimizers step the sharded (DTensor) parameters on their local shards:
+bitwise the DTensor path's parameters and state, no DTensor dispatch in the step, and hooks,
+state dicts and failures see DTensors as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from dist_harness import run_ranks
+from models import build, local_loss, shard
+
+CPU = torch.device("cpu")
+OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5, centered=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+}
+
+
+def _dtensor_path(optimizer):
+    """The same optimizer as a subclass instance: the local-shard path leaves subclasses alone."""
+    optimizer.__class__ = type(f"Sub{type(optimizer).__name__}", (type(optimizer),), {})
+    return optimizer
+
+
+class _DTensorOps(TorchDispatchMode):
+    """Counts the ops that reach the dispatcher with a DTensor among their arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs or {}))[0]):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        assert type(x) is type(y), (key, type(x), type(y))
+        if isinstance(x, DTensor):
+            assert x.placements == y.placements and x.shape == y.shape
+            x, y = x._local_tensor, y._local_tensor
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), key
+        else:
+            assert x == y, key
+
+
+def _bitwise_against_the_dtensor_path(info, name: str) -> None:
+    fast_model, _ = build(CPU)
+    slow_model, _ = build(CPU)
+    shard(fast_model)
+    shard(slow_model)
+    fast = OPTIMIZERS[name](list(fast_model.parameters()))
+    slow = _dtensor_path(OPTIMIZERS[name](list(slow_model.parameters())))
+    info = type("Info", (), {"device": CPU, "world_size": info.world_size, "rank": info.rank})
+    for step in range(3):
+        for model, optimizer in ((fast_model, fast), (slow_model, slow)):
+            local_loss(model, step, info).backward()
+            with _DTensorOps() as ops:
+                optimizer.step()
+            assert (ops.count == 0) == (optimizer is fast), (name, ops.count)
+            optimizer.zero_grad()
+    for (key, p), q in zip(fast_model.named_parameters(), slow_model.parameters()):
+        assert isinstance(p, DTensor) and torch.equal(p._local_tensor, q._local_tensor), key
+    fast_state, slow_state = fast.state_dict(), slow.state_dict()
+    assert fast_state["state"].keys() == slow_state["state"].keys() and fast_state["state"]
+    for index in fast_state["state"]:
+        _same_state(fast_state["state"][index], slow_state["state"][index])
+    assert fast.state and {id(k) for k in fast.state} <= {id(p) for p in fast_model.parameters()}  # by masters
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_element_wise_optimizers_step_local_shards_bitwise_like_dtensors(name):
+    run_ranks(_bitwise_against_the_dtensor_path, 2, name, backend="gloo")
+
+
+def _hooks_and_failures_see_dtensors(info) -> None:
+    model, _ = build(CPU)
+    shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    info = type("Info", (), {"device": CPU, "world_size": info.world_size, "rank": info.rank})
+    seen = []
+
+    def look(opt, *_):
+        seen.append(all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]))
+        seen.append(all(isinstance(v, DTensor) for s in opt.state.values() for v in s.values() if v.dim()))
+
+    optimizer.register_step_pre_hook(look)
+    optimizer.register_step_post_hook(look)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for step in range(2):
+        local_loss(model, step, info).backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    assert seen == [True] * 8, seen
+
+    # A step that fails inside its body leaves the optimizer as it was: masters, DTensor state.
+    local_loss(model, 2, info).backward()
+    before = {k: v._local_tensor.clone() for k, v in optimizer.state[next(model.parameters())].items()
+              if isinstance(v, DTensor)}
+    optimizer.param_groups[0]["lr"] = "not a number"
+    with pytest.raises(Exception):
+        optimizer.step()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    assert params == list(model.parameters()) and all(isinstance(p, DTensor) for p in params)
+    after = optimizer.state[next(model.parameters())]
+    assert all(torch.equal(after[k]._local_tensor, v) for k, v in before.items()) and before
+
+
+def test_hooks_schedulers_and_a_failed_step_see_dtensors():
+    run_ranks(_hooks_and_failures_see_dtensors, 2, backend="gloo")
