@@ -61,9 +61,9 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str
     stacks = open(error_file + ".stacks", "w")  # a hung rank leaves its Python stacks here
     faulthandler.dump_traceback_later(dump_after, file=stacks)
 
-    from collective_record import record_collectives
-
     import fsdp_graph
+
+    from collective_record import record_collectives
 
     record_collectives(error_file + ".collectives", dump_after)  # ... and its last collectives here
 

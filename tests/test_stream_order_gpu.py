@@ -1,0 +1,79 @@
+"""GPU, two devices on NCCL: stream ordering holds with every cross-stream window widened.
+
+The sharded bf16 GPT (one block twice as wide, so that its unit falls back to a dedicated
+persistent buffer; neighbour prefetch on) trains a few steps eagerly, with per-block graphs, and
+as a whole-step graph (optimizer inside with accumulation and clipping, and optimizer outside).
+Then it trains again with ``torch.cuda._sleep`` queued at every hook boundary on the compute
+stream, then on the all-gather stream, then on the reduce stream (``stream_delays.py``), also
+inside the capture. A missing dependency between the streams would let a reader see a buffer
+before its writer finished, or a writer overwrite it before its reader was done. With
+deterministic kernels, every loss and the final weights must stay bit for bit those of the run
+without delays (``docs/stream_handoffs.md`` lists the hand-offs exercised).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fsdp_graph
+from fsdp_graph import GraphConfig
+
+from dist_harness import run_ranks
+from stream_delays import STREAMS, inject
+from test_full_iteration_gpu import _stacked_batch
+from test_graph_parity_gpu import _build
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
+)
+STEPS, WARMUP = 6, 2
+CASES = {  # strategy, micro-batches per step, max_grad_norm, optimizer inside the step
+    "eager_accumulate_clip": ("none", 2, 1.0, True),
+    "layer_graphs_clip": ("layer", 1, 1.0, True),
+    "whole_step_accumulate_clip": ("full_iteration", 2, 1.0, True),
+    "whole_step_optimizer_outside": ("full_iteration", 1, None, False),
+}
+
+
+def _train(info, case: str, delays: str | None):
+    strategy, accum, max_grad_norm, optimizer_in_step = CASES[case]
+    model = _build(info, oversized_block=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
+    config = GraphConfig(strategy=strategy, num_warmup_iters=WARMUP,
+                         modules=list(model.blocks) if strategy == "layer" else None)
+    losses = []
+    with inject(delays):
+        step = fsdp_graph.make_train_step(
+            lambda idx, targets: model(idx, targets)[1], model, opt if optimizer_in_step else None,
+            config=config, example_batch=_stacked_batch(0, info, accum), grad_accum_steps=accum,
+            max_grad_norm=max_grad_norm,
+        )
+        for i in range(STEPS):
+            losses.append(step(*_stacked_batch(i, info, accum)))
+            if not optimizer_in_step:
+                opt.step()
+                opt.zero_grad()
+        torch.cuda.synchronize()
+    return torch.stack(losses), fsdp_graph.full_state_dict(model)
+
+
+def _delays_change_nothing(info, case: str) -> None:
+    torch.use_deterministic_algorithms(True)
+    losses, state = _train(info, case, None)
+    assert losses[-1] < losses[0], f"the model should be learning: {losses.tolist()}"
+    for stream in STREAMS:
+        delayed_losses, delayed_state = _train(info, case, stream)
+        differing = [i for i in range(STEPS) if not torch.equal(delayed_losses[i], losses[i])]
+        assert not differing, (f"{case}, delays on the {stream} stream: losses differ from step {differing[0]}: "
+                               f"{delayed_losses.tolist()} vs {losses.tolist()}")
+        for key, value in state.items():
+            assert torch.equal(delayed_state[key], value), f"{case}, delays on the {stream} stream: {key} differs"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_delays_on_every_stream_change_no_bit(case):
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_delays_change_nothing, 2, case)
