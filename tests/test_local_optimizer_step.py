@@ -122,3 +122,80 @@ def _hooks_and_failures_see_dtensors(info) -> None:
 
 def test_hooks_schedulers_and_a_failed_step_see_dtensors():
     run_ranks(_hooks_and_failures_see_dtensors, 2, backend="gloo")
+
+
+def _closures_subclasses_and_memory(info) -> None:
+    import gc
+    import weakref
+
+    info = type("Info", (), {"device": CPU, "world_size": info.world_size, "rank": info.rank})
+    # A subclass whose step calls super().step(): its hooks run once per step, as they do without
+    # this package in a process that has built no AdamW yet (torch hooks a class's step at its
+    # first instance; a spawned rank has built none).
+    class Mine(torch.optim.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    subject = build(CPU)[0]
+    shard(subject)
+    calls = []
+    mine = Mine(subject.parameters(), lr=1e-2)
+    mine.register_step_post_hook(lambda *_: calls.append(1))
+    for step in range(3):
+        local_loss(subject, step, info).backward()
+        mine.step()
+        mine.zero_grad()
+    assert len(calls) == 3, len(calls)
+
+    # step(closure): the closure's backward must reach the parameters the step updates.
+    models = [build(CPU)[0] for _ in range(2)]
+    optimizers = []
+    for model in models:
+        shard(model)
+        optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _dtensor_path(optimizers[1])
+    for step in range(3):
+        for model, optimizer in zip(models, optimizers):
+            def closure(model=model, optimizer=optimizer, step=step):
+                optimizer.zero_grad()
+                loss = local_loss(model, step, info)
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+    changed = [not torch.equal(p.full_tensor(), q)
+               for p, q in zip(models[0].parameters(), build(CPU)[0].parameters()) if p.requires_grad]
+    assert sum(changed) > len(changed) // 2, "step(closure) did not update the parameters"
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p._local_tensor, q._local_tensor)
+
+    # A step that fails while the masters are being swapped leaves every master in place.
+    optimizer = torch.optim.AdamW(models[0].parameters(), lr=1e-2)
+    params = [p for p in models[0].parameters() if p.requires_grad]
+    local_loss(models[0], 0, info).backward()
+    good = params[-1].grad
+    params[-1].grad = DTensor.from_local(torch.zeros(good._local_tensor.numel() + 1), good.device_mesh,
+                                         good.placements, run_check=False, shape=good.shape, stride=good.stride())
+    with pytest.raises(RuntimeError):
+        optimizer.step()
+    assert [p for g in optimizer.param_groups for p in g["params"]] == list(models[0].parameters())
+    params[-1].grad = good
+    before = [p._local_tensor.clone() for p in params]
+    optimizer.step()
+    assert all(not torch.equal(p._local_tensor, b) for p, b in zip(params, before) if p._local_tensor.numel())
+
+    # Nothing of the optimizer outlives it (no reference cycle through our step).
+    optimizer = torch.optim.AdamW(models[0].parameters(), lr=1e-2)
+    local_loss(models[0], 0, info).backward()
+    optimizer.step()
+    state = weakref.ref(next(iter(optimizer.state.values()))["exp_avg"])
+    gc.disable()
+    try:
+        del optimizer
+        assert state() is None, "the optimizer's state outlived it"
+    finally:
+        gc.enable()
+
+
+def test_closures_subclasses_and_the_optimizers_lifetime():
+    run_ranks(_closures_subclasses_and_memory, 2, backend="gloo")

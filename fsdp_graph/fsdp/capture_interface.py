@@ -8,7 +8,8 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
 * which unit a module is, encloses it, or owns a parameter (``units_in``, ``enclosing_unit``,
   ``leaf_units``, ``master_owner``), and whether it is idle (``TrainingState``);
 * the roots (``root_contexts``): ``outside_training_step()`` around unit steps that are no
-  training step, ``forget_events()`` around a capture that records the steps themselves;
+  training step, ``forget_events()`` around a capture that records the steps themselves, and
+  ``capture_failed()`` when such a capture failed midway;
 * the persistence check (``require_fixed_addresses``): a graph may read a unit only if its
   unsharded parameters and gradients never move;
 * address pins (``pin_addresses``): a graph captured on a module pins it, so that re-sharding

@@ -200,10 +200,18 @@ class UnitGradients:
             else:
                 grad.data = view
 
+    def _grad_buffers(self, buffers: FlatBuffers | None) -> list[GradBuffer]:
+        return [b for b in (buffers.grads if buffers is not None else None, self._accum) if b is not None]
+
     def forget_events(self, buffers: FlatBuffers | None) -> None:
-        for buffer in (buffers.grads if buffers is not None else None, self._accum):
-            if buffer is not None:
-                buffer.reduce_done = None
+        for buffer in self._grad_buffers(buffers):
+            buffer.reduce_done = None
+
+    def forget_zeroed(self, buffers: FlatBuffers | None) -> None:
+        """After a capture that failed midway: its steps flagged buffers as zeroed by kernels that
+        were recorded, never run. The next backward zeroes them."""
+        for buffer in self._grad_buffers(buffers):
+            buffer.zeroed = False
 
     def snapshot(self) -> tuple:
         """What unit steps run at graph capture may change: the masters' ``.grad``, the sharded

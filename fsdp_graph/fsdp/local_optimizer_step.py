@@ -8,17 +8,20 @@ same element of the parameter, its gradient and its state. On a DTensor they the
 their local op on the local tensors, and we can hand them the local tensors directly.
 
 ``install`` wraps the step of each of torch's element-wise optimizer classes, inside torch's own
-hook wrapper. Step hooks, LR schedulers and ``GradScaler`` therefore see the DTensors as before,
-and only the step body sees local tensors. Around that body every master in ``param_groups`` and
-``state`` is swapped for its local tensor, which carries the local gradient and the local state
-tensors. Afterwards, in a ``finally``, everything is swapped back, and any state the step created
-(the first step) is wrapped as DTensors placed like the master, as FSDP2's optimizer state is.
+hook wrapper (which torch adds at a class's first instance, as before). Step hooks, LR schedulers
+and ``GradScaler`` therefore see the DTensors as before, and only the step body sees local tensors.
+Around that body every master in ``param_groups`` and ``state`` is swapped for its local tensor,
+which carries the local gradient and the local state tensors. Afterwards, in a ``finally``,
+everything is swapped back, and any state the step created (the first step) is wrapped as DTensors
+placed like the master, as FSDP2's optimizer state is.
 
-The results are bitwise those of the DTensor path, because the same op runs on the same tensors.
+The results are bitwise those of the DTensor path, because the same op runs on the same tensors
+(fused SGD and Adagrad, which DTensor has no rule for, work here and raise there).
 The swap applies only to this package's masters, and only when it is exact. Otherwise the step runs
 on DTensors, as it would without this module:
 
 * the optimizer is an instance of the class itself, not of a subclass, which may change the math;
+* no closure is passed (its forward and backward would run inside the swap);
 * ``differentiable`` is off, and the step is not being traced by ``torch.compile``;
 * every master's ``.grad`` and state tensors are DTensors with the master's placements, and no
   other parameter is a DTensor.
@@ -49,29 +52,33 @@ def install() -> None:
         if cls is None or getattr(own, _MARK, False):
             continue
         body = cls.step  # its own or inherited (AdamW's is Adam's), with torch's and our wrappers
+        hooked = getattr(body, "hooked", False)
         for wrapper in ("hooked", _MARK):
             if getattr(body, wrapper, False):
                 body = body.__wrapped__
-        cls.step = Optimizer.profile_hook_step(_on_local_shards(body, cls))
-        cls.step.hooked = True  # torch's Optimizer.__init__ must not wrap it again
-        setattr(cls.step, _MARK, True)
+        step = _on_local_shards(body, cls)
+        if hooked:  # as torch left it: hooks wrap a class's step once an instance exists, not before
+            step = Optimizer.profile_hook_step(step)
+            step.hooked = True
+        cls.step = step
 
 
 def _on_local_shards(body, cls):
     @functools.wraps(body)
     def step(self, *args, **kwargs):
         swap = None
-        if type(self) is cls and not torch.compiler.is_compiling():
+        closure = args[0] if args else kwargs.get("closure")
+        if type(self) is cls and closure is None and not torch.compiler.is_compiling():
             swap = self.__dict__.get(_SWAP) or self.__dict__.setdefault(_SWAP, _Swap(self))
-            if not swap.prepare():
+            if not swap.prepare(self):
                 swap = None
         if swap is None:
             return body(self, *args, **kwargs)
-        swap.apply()
         try:
+            swap.apply(self)
             return body(self, *args, **kwargs)
         finally:
-            swap.undo()
+            swap.undo(self)
 
     setattr(step, _MARK, True)
     return step
@@ -83,63 +90,71 @@ def _ids(state) -> list:
 
 
 class _Entry:
-    """One master of the optimizer: where it sits in ``param_groups``, its local tensor, and its
-    gradient as last checked (an unchanged gradient costs no re-check)."""
+    """One master of the optimizer: where it sits in ``param_groups``, and its local tensor."""
 
-    __slots__ = ("params", "index", "master", "local", "placements", "grad", "grad_local")
+    __slots__ = ("params", "index", "master", "local", "placements", "grad_id", "grad_local")
 
     def __init__(self, params: list, index: int, master: DTensor) -> None:
         self.params, self.index, self.master = params, index, master
         self.local, self.placements = master._local_tensor, master.placements
-        self.grad = self.grad_local = None
+        self.grad_id, self.grad_local = None, None  # grad_local: during a step only
 
 
 class _Swap:
     """One optimizer's masters, swapped for their local tensors for each step body.
 
-    The step body sees ``optimizer.state`` replaced by ``local_state``: the same per-parameter
-    dicts for other parameters, and for each master a dict of its state's local tensors. Both
-    mappings are kept from step to step and compared by identity, so an unchanged state costs no
-    re-check and no tensor-keyed dict operation (each one a Python ``Tensor.__hash__`` call)."""
+    The step body sees ``optimizer.state`` replaced by a mapping built for the step: the same
+    per-parameter dicts for other parameters, and for each master a dict of its state's local
+    tensors. Between steps nothing is held but the plan (the masters, which the optimizer holds
+    anyway): no state tensor, no gradient, no reference to the optimizer. What was checked is
+    remembered by identity, so an unchanged gradient or state is not checked again."""
 
     def __init__(self, optimizer) -> None:
-        self.optimizer = optimizer
-        self.signature: tuple = ()
+        self.signature: tuple | None = None
+        self.usable = False
         self.entries: list[_Entry] = []
-        self.by_local: dict[int, _Entry] = {}
-        self.state = None  # the optimizer's own state mapping, as ``state_ids`` describes it
-        self.state_ids: list = []
-        self.local_state: dict = {}
+        self.by_master: dict[int, _Entry] = {}
+        self.checked_ids: list | None = None  # the optimizer's state, as last checked
+        self.state = self.local_state = None  # during a step only
         self.local_ids: list = []
 
-    def prepare(self) -> bool:
+    def prepare(self, optimizer) -> bool:
         """Check that the swap is exact for this step (see the module docstring); False: it is not."""
-        optimizer = self.optimizer
         groups = optimizer.param_groups
         signature = (*map(id, groups), *(id(p) for group in groups for p in (group["params"], *group["params"])))
         if signature != self.signature:
-            if not self._plan(groups):
-                return False
-            self.signature, self.state = signature, None
+            self.usable, self.signature, self.checked_ids = self._plan(groups), signature, None
+        if not self.usable or optimizer.defaults.get("differentiable") or any(
+                group.get("differentiable") for group in groups):
+            return False
         for e in self.entries:
             master = e.master
             if master._local_tensor is not e.local:  # re-pointed (to_empty)
-                e.local, self.state = master._local_tensor, None
+                e.local, self.checked_ids = master._local_tensor, None
             grad = master.grad
-            if grad is not e.grad or (grad is not None and grad._local_tensor is not e.grad_local):
-                if grad is not None and (not isinstance(grad, DTensor) or grad.placements != e.placements):
+            if grad is None:
+                e.grad_local = None
+                continue
+            if id(grad) != e.grad_id:
+                if not isinstance(grad, DTensor) or grad.placements != e.placements:
                     return False
-                e.grad, e.grad_local = grad, None if grad is None else grad._local_tensor
+                e.grad_id = id(grad)
+            e.grad_local = grad._local_tensor
         state = optimizer.state
-        if state is not self.state or _ids(state) != self.state_ids:
-            return self._localize(state)
+        ids = _ids(state)
+        if ids != self.checked_ids:
+            for key, values in state.items():
+                e = self.by_master.get(id(key))
+                if e is not None and any(isinstance(v, DTensor) and v.placements != e.placements
+                                         for v in values.values()):
+                    return False
+            self.checked_ids = ids
+        self._localize(state)
         return True
 
     def _plan(self, groups) -> bool:
         entries = []
         for group in groups:
-            if group.get("differentiable"):
-                return False
             params = group["params"]
             for i, param in enumerate(params):
                 if isinstance(param, DTensor):
@@ -147,52 +162,49 @@ class _Swap:
                         return False  # a DTensor that is not ours: its placements are not ours to reason about
                     entries.append(_Entry(params, i, param))
         self.entries = entries
+        self.by_master = {id(e.master): e for e in entries}
         return bool(entries)
 
-    def _localize(self, state) -> bool:
-        """Build the step body's state mapping from the optimizer's."""
-        by_master = {id(e.master): e for e in self.entries}
-        local_state = defaultdict(dict)
+    def _localize(self, state) -> None:
+        """The step body's state mapping, built from the optimizer's for this step."""
+        by_master, local_state = self.by_master, defaultdict(dict)
         for key, values in state.items():
             e = by_master.get(id(key))
             if e is None:
                 local_state[key] = values
-                continue
-            if any(isinstance(v, DTensor) and v.placements != e.placements for v in values.values()):
-                return False
-            local_state[e.local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in values.items()}
-        self.by_local = {id(e.local): e for e in self.entries}
-        self.state, self.state_ids = state, _ids(state)
-        self.local_state, self.local_ids = local_state, _ids(local_state)
-        return True
+            else:
+                local_state[e.local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in values.items()}
+        self.state, self.local_state, self.local_ids = state, local_state, _ids(local_state)
 
-    def apply(self) -> None:
+    def apply(self, optimizer) -> None:
         for e in self.entries:
             e.params[e.index] = e.local
             e.local.grad = e.grad_local
-        self.optimizer.state = self.local_state
+        optimizer.state = self.local_state
 
-    def undo(self) -> None:
-        optimizer, state = self.optimizer, self.state
+    def undo(self, optimizer) -> None:
+        state, local_state = self.state, self.local_state
+        self.state = self.local_state = None
         optimizer.state = state
         for e in self.entries:
             e.params[e.index] = e.master
-            e.local.grad = None
-        local_ids = _ids(self.local_state)
+            e.local.grad = e.grad_local = None
+        local_ids = _ids(local_state)
         if local_ids == self.local_ids:
             return  # updated in place: the DTensors over the local tensors are current
         # The step created or replaced state (its first step): carry it over as the DTensor path would.
         known = {key: (dict_id, value_ids) for key, dict_id, value_ids in self.local_ids}
-        for (key_id, dict_id, value_ids), (key, values) in zip(local_ids, self.local_state.items()):
+        by_local = {id(e.local): e for e in self.entries}
+        for (key_id, dict_id, value_ids), (key, values) in zip(local_ids, local_state.items()):
             if known.get(key_id) == (dict_id, value_ids):
                 continue
-            e = self.by_local.get(key_id)
+            e = by_local.get(key_id)
             if e is None:
                 state[key] = values
             else:
                 before = state.get(e.master) or {}
                 state[e.master] = {k: _as_dtensor_like(v, before.get(k), e.master, e.local) for k, v in values.items()}
-        self.state_ids, self.local_ids = _ids(state), local_ids
+        self.checked_ids = _ids(state)
 
 
 def _as_dtensor_like(value, before, master: DTensor, local: torch.Tensor):

@@ -134,3 +134,8 @@ class RootContext:
         self.streams.synchronize()
         for unit in self.units:
             unit.forget_events()
+
+    def capture_failed(self) -> None:
+        """A whole-step capture failed midway: see ``FSDPUnit.capture_failed``."""
+        for unit in self.units:
+            unit.capture_failed()

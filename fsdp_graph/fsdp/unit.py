@@ -287,6 +287,10 @@ class FSDPUnit:
         self.param_group.forget_event()
         self.grads.forget_events(self.param_group.buffers)
 
+    def capture_failed(self) -> None:
+        """A capture that ran this unit's steps failed: what they flagged was never executed."""
+        self.grads.forget_zeroed(self.param_group.buffers)
+
     def require_idle(self, what: str, *, unsharded_ok: bool = False) -> None:
         """Refuse work on the masters while the modules hold the unsharded parameters (mid-step,
         or after module.unshard(), unless ``unsharded_ok``)."""

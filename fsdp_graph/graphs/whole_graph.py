@@ -47,7 +47,11 @@ def capture_whole(what: str, run: Callable[[], T], contexts: list[RootContext], 
     try:
         with gc_paused(), torch.cuda.graph(graph, stream=stream):
             result = run()
-    except RuntimeError as err:
+    except BaseException as err:
+        for ctx in contexts:
+            ctx.capture_failed()
+        if not isinstance(err, RuntimeError):
+            raise
         if "synchroniz" in str(err) or "capture" in str(err).lower():
             raise RuntimeError(
                 f"{what}: CUDA graph capture failed: {err}\nCommon causes: a host sync in the step "
