@@ -22,7 +22,7 @@ import fsdp_graph
 from fsdp_graph import GraphConfig
 
 from dist_harness import run_ranks
-from stream_delays import STREAMS, inject
+from stream_delays import STREAMS, inject, queued
 from test_full_iteration_gpu import _stacked_batch
 from test_graph_parity_gpu import _build
 
@@ -65,7 +65,9 @@ def _delays_change_nothing(info, case: str) -> None:
     losses, state = _train(info, case, None)
     assert losses[-1] < losses[0], f"the model should be learning: {losses.tolist()}"
     for stream in STREAMS:
+        before = queued[0]
         delayed_losses, delayed_state = _train(info, case, stream)
+        assert queued[0] - before > 4 * STEPS, f"{case}: only {queued[0] - before} sleeps on the {stream} stream"
         differing = [i for i in range(STEPS) if not torch.equal(delayed_losses[i], losses[i])]
         assert not differing, (f"{case}, delays on the {stream} stream: losses differ from step {differing[0]}: "
                                f"{delayed_losses.tolist()} vs {losses.tolist()}")
