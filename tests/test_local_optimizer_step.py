@@ -184,6 +184,18 @@ def _closures_subclasses_and_memory(info) -> None:
     optimizer.step()
     assert all(not torch.equal(p._local_tensor, b) for p, b in zip(params, before) if p._local_tensor.numel())
 
+    # A state dict taken before the first step is the one the step fills, as on the DTensor path.
+    optimizer = torch.optim.AdamW(models[0].parameters(), lr=1e-2)
+    first = next(p for p in models[0].parameters() if p.requires_grad)
+    held = optimizer.state[first]
+    local_loss(models[0], 0, info).backward()
+    optimizer.step()
+    assert optimizer.state[first] is held and isinstance(held["exp_avg"], DTensor)
+    # A plain tensor as a master's state is refused as the DTensor path refuses it, not used.
+    held["exp_avg"] = held["exp_avg"]._local_tensor.clone()
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        optimizer.step()
+
     # Nothing of the optimizer outlives it (no reference cycle through our step).
     optimizer = torch.optim.AdamW(models[0].parameters(), lr=1e-2)
     local_loss(models[0], 0, info).backward()
@@ -199,3 +211,51 @@ def _closures_subclasses_and_memory(info) -> None:
 
 def test_closures_subclasses_and_the_optimizers_lifetime():
     run_ranks(_closures_subclasses_and_memory, 2, backend="gloo")
+
+
+def _gradient_placed_otherwise(info, dtensor_path: bool) -> list:
+    """A master's gradient replaced, after the checked one was freed, by a DTensor of other
+    placements: the id of the freed gradient may be reused by the new one (tried for)."""
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Shard
+
+    import fsdp_graph
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
+    fsdp_graph.fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    if dtensor_path:
+        _dtensor_path(optimizer)
+    p = next(model.parameters())
+
+    def grad(placements, value):
+        return DTensor.from_local(torch.full(p._local_tensor.shape, value), p.device_mesh, placements,
+                                  run_check=False, shape=p.shape, stride=p.stride())
+
+    p.grad = grad(p.placements, 1.0)
+    freed = id(p.grad)
+    optimizer.step()
+    p.grad = None
+    gc.collect()
+    template, kept = grad((Partial(), Shard(0)), 0.5), []  # each replica holds half: the gradient is 1.0
+    for _ in range(1000):
+        candidate = template.detach()
+        if id(candidate) == freed:
+            break
+        kept.append(candidate)
+    before = p._local_tensor.clone()
+    p.grad = candidate
+    optimizer.step()
+    return (before - p._local_tensor).flatten().tolist()
+
+
+def _same_update_as_the_dtensor_path(info) -> None:
+    assert _gradient_placed_otherwise(info, False) == _gradient_placed_otherwise(info, True)
+
+
+def test_a_gradient_placed_otherwise_takes_the_dtensor_path():
+    run_ranks(_same_update_as_the_dtensor_path, 4, backend="gloo")

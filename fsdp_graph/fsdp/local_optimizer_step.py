@@ -30,6 +30,7 @@ on DTensors, as it would without this module:
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import defaultdict
 
 import torch
@@ -85,19 +86,33 @@ def _on_local_shards(body, cls):
 
 
 def _ids(state) -> list:
-    """What a state mapping is, by identity: its keys, their dicts and the values in them."""
+    """What a state mapping is, by identity (compared only while every object named is alive)."""
     return [(id(k), id(v), tuple(map(id, v.values()))) for k, v in state.items()]
+
+
+def _matches(refs: list, objects: list) -> bool:
+    """Whether ``objects`` are the very objects ``refs`` (weak references) were taken of: an id
+    could be reused by a new object once the old one is freed, a weak reference cannot."""
+    return len(refs) == len(objects) and all(r() is o for r, o in zip(refs, objects))
 
 
 class _Entry:
     """One master of the optimizer: where it sits in ``param_groups``, and its local tensor."""
 
-    __slots__ = ("params", "index", "master", "local", "placements", "grad_id", "grad_local")
+    __slots__ = ("params", "index", "master", "local", "placements", "mesh", "grad_ref", "grad_local")
 
     def __init__(self, params: list, index: int, master: DTensor) -> None:
         self.params, self.index, self.master = params, index, master
-        self.local, self.placements = master._local_tensor, master.placements
-        self.grad_id, self.grad_local = None, None  # grad_local: during a step only
+        self.local, self.placements, self.mesh = master._local_tensor, master.placements, master.device_mesh
+        self.grad_ref = None  # a weak reference to the gradient last checked
+        self.grad_local = None  # during a step only
+
+    def placed_like_master(self, value) -> bool:
+        """A per-element value (gradient, state) the local-shard step may read: a DTensor placed
+        like the master. A plain tensor beside a DTensor master is what the DTensor path refuses."""
+        if isinstance(value, DTensor):
+            return value.placements == self.placements and value.device_mesh == self.mesh
+        return not isinstance(value, torch.Tensor) or value.dim() == 0
 
 
 class _Swap:
@@ -106,15 +121,16 @@ class _Swap:
     The step body sees ``optimizer.state`` replaced by a mapping built for the step: the same
     per-parameter dicts for other parameters, and for each master a dict of its state's local
     tensors. Between steps nothing is held but the plan (the masters, which the optimizer holds
-    anyway): no state tensor, no gradient, no reference to the optimizer. What was checked is
-    remembered by identity, so an unchanged gradient or state is not checked again."""
+    anyway) and weak references: no state tensor, no gradient, no reference to the optimizer.
+    What was checked is remembered by weak reference, so an unchanged gradient or state is not
+    checked again."""
 
     def __init__(self, optimizer) -> None:
         self.signature: tuple | None = None
         self.usable = False
         self.entries: list[_Entry] = []
         self.by_master: dict[int, _Entry] = {}
-        self.checked_ids: list | None = None  # the optimizer's state, as last checked
+        self.checked: list = []  # weak references to the state tensors last checked, in order
         self.state = self.local_state = None  # during a step only
         self.local_ids: list = []
 
@@ -123,32 +139,31 @@ class _Swap:
         groups = optimizer.param_groups
         signature = (*map(id, groups), *(id(p) for group in groups for p in (group["params"], *group["params"])))
         if signature != self.signature:
-            self.usable, self.signature, self.checked_ids = self._plan(groups), signature, None
+            self.usable, self.signature, self.checked = self._plan(groups), signature, []
         if not self.usable or optimizer.defaults.get("differentiable") or any(
                 group.get("differentiable") for group in groups):
             return False
+        grads = []
         for e in self.entries:
             master = e.master
             if master._local_tensor is not e.local:  # re-pointed (to_empty)
-                e.local, self.checked_ids = master._local_tensor, None
+                e.local, self.checked = master._local_tensor, []
             grad = master.grad
-            if grad is None:
-                e.grad_local = None
-                continue
-            if id(grad) != e.grad_id:
-                if not isinstance(grad, DTensor) or grad.placements != e.placements:
+            if grad is not None and (e.grad_ref is None or e.grad_ref() is not grad):
+                if not e.placed_like_master(grad) or not isinstance(grad, DTensor):
                     return False
-                e.grad_id = id(grad)
-            e.grad_local = grad._local_tensor
+                e.grad_ref = weakref.ref(grad)
+            grads.append(None if grad is None else grad._local_tensor)
         state = optimizer.state
-        ids = _ids(state)
-        if ids != self.checked_ids:
+        tensors = [v for values in state.values() for v in values.values() if isinstance(v, torch.Tensor)]
+        if not _matches(self.checked, tensors):
             for key, values in state.items():
                 e = self.by_master.get(id(key))
-                if e is not None and any(isinstance(v, DTensor) and v.placements != e.placements
-                                         for v in values.values()):
+                if e is not None and not all(map(e.placed_like_master, values.values())):
                     return False
-            self.checked_ids = ids
+            self.checked = [weakref.ref(t) for t in tensors]
+        for e, grad in zip(self.entries, grads):
+            e.grad_local = grad
         self._localize(state)
         return True
 
@@ -201,10 +216,12 @@ class _Swap:
             e = by_local.get(key_id)
             if e is None:
                 state[key] = values
-            else:
-                before = state.get(e.master) or {}
-                state[e.master] = {k: _as_dtensor_like(v, before.get(k), e.master, e.local) for k, v in values.items()}
-        self.checked_ids = _ids(state)
+            else:  # into the master's own dict (a reference the user holds stays current)
+                held = state[e.master]
+                wrapped = {k: _as_dtensor_like(v, held.get(k), e.master, e.local) for k, v in values.items()}
+                held.clear()
+                held.update(wrapped)
+        self.checked = []
 
 
 def _as_dtensor_like(value, before, master: DTensor, local: torch.Tensor):

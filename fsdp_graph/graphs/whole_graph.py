@@ -52,7 +52,7 @@ def capture_whole(what: str, run: Callable[[], T], contexts: list[RootContext], 
             ctx.capture_failed()
         if not isinstance(err, RuntimeError):
             raise
-        if "synchroniz" in str(err) or "capture" in str(err).lower():
+        if "synchroniz" in str(err) or "captur" in str(err).lower():  # capture, capturing
             raise RuntimeError(
                 f"{what}: CUDA graph capture failed: {err}\nCommon causes: a host sync in the step "
                 "(.item(), printing a tensor, a data-dependent shape), work on the default stream, or "
