@@ -111,7 +111,8 @@ class _Entry:
         """A per-element value (gradient, state) the local-shard step may read: a DTensor placed
         like the master. A plain tensor beside a DTensor master is what the DTensor path refuses."""
         if isinstance(value, DTensor):
-            return value.placements == self.placements and value.device_mesh == self.mesh
+            mesh = value.device_mesh
+            return value.placements == self.placements and (mesh is self.mesh or mesh == self.mesh)
         return not isinstance(value, torch.Tensor) or value.dim() == 0
 
 
