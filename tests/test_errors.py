@@ -231,3 +231,18 @@ def test_a_collective_one_rank_never_joins_fails_after_the_timeout(tmp_path):
 def test_init_distributed_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
         fsdp_graph.init_distributed(timeout=0)
+
+
+def test_an_optimizer_built_before_fully_shard_is_refused_at_its_step():
+    """It holds the parameters fully_shard replaced: they get no gradient, so it would silently
+    stop training the model (FSDP2 does, silently)."""
+    model, _ = build(CPU)
+    early = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    shard(model)
+    idx, targets = global_batch(0, 1, CPU)
+    lm_loss(model, idx, targets).backward()
+    with pytest.raises(RuntimeError, match=r"AdamW holds \d+ parameter\(s\) that fully_shard replaced.*"
+                                           r"Build the optimizer after fully_shard"):
+        early.step()
+    late = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    late.step()  # built after fully_shard: fine

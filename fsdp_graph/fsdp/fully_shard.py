@@ -26,6 +26,7 @@ from .mesh import ShardMesh, resolve_mesh
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ShardState, note_master_writes, watch_master_writes
 from .registry import ENCLOSING_ATTR, ROOT_ATTR, UNIT_ATTR, pinned_by, root_of, unit_of, units_in
+from .replaced_params_check import install as install_replaced_params_check
 from .root import RootContext
 from .sharded_param import master_owner, replaced_by
 from .unit import FSDPUnit, UnitConfig
@@ -404,6 +405,7 @@ def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist
     mesh = resolve_mesh(options.mesh, options.process_group, _param_device_type(module))
     if mesh.shard_group is not None:
         install_local_optimizer_steps()  # the masters will be DTensors: step them on their local shards
+    install_replaced_params_check()
     device = _choose_device(module, mesh)
     _move_buffers(module, device)
     config = UnitConfig(options.mp_policy, double_buffer, persist_buffer_on_alloc_fail, options.reshard_after_forward)
