@@ -41,7 +41,9 @@ from .sharded_param import master_owner
 
 ELEMENTWISE_NAMES = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD")
 _MARK = "_fsdp_graph_local_shards"  # on a wrapped step body
-_SWAP = "_fsdp_graph_swap"  # on an optimizer: its _Swap
+# Each optimizer's _Swap, beside it rather than in it: pickling or deep-copying an optimizer
+# must not meet the weak references a _Swap holds.
+_SWAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def install() -> None:
@@ -70,7 +72,9 @@ def _on_local_shards(body, cls):
         swap = None
         closure = args[0] if args else kwargs.get("closure")
         if type(self) is cls and closure is None and not torch.compiler.is_compiling():
-            swap = self.__dict__.get(_SWAP) or self.__dict__.setdefault(_SWAP, _Swap(self))
+            swap = _SWAPS.get(self)
+            if swap is None:
+                swap = _SWAPS[self] = _Swap()
             if not swap.prepare(self):
                 swap = None
         if swap is None:
@@ -126,7 +130,7 @@ class _Swap:
     What was checked is remembered by weak reference, so an unchanged gradient or state is not
     checked again."""
 
-    def __init__(self, optimizer) -> None:
+    def __init__(self) -> None:
         self.signature: tuple | None = None
         self.usable = False
         self.entries: list[_Entry] = []
