@@ -23,8 +23,8 @@ on DTensors, as it would without this module:
 * the optimizer is an instance of the class itself, not of a subclass, which may change the math;
 * no closure is passed (its forward and backward would run inside the swap);
 * ``differentiable`` is off, and the step is not being traced by ``torch.compile``;
-* every master's ``.grad`` and state tensors are DTensors with the master's placements, and no
-  other parameter is a DTensor.
+* every master's ``.grad`` and state tensors are DTensors with the master's placements and mesh
+  (0-d state such as a step count may be plain), and no other parameter is a DTensor.
 """
 
 from __future__ import annotations
