@@ -8,6 +8,7 @@ The public API (README.md has the full picture; docs/architecture.md the design)
   FSDP2's options (``mesh``, ``reshard_after_forward``, a list of modules, ...) by the same
   names (``fsdp/fsdp_options.py``). ``FSDPModule``: ``no_sync()``,
   ``set_requires_gradient_sync()`` on every sharded module.
+- ``Checkpointer``: sharded checkpoints of the whole training state (DCP), atomic, exact resume.
 - ``full_state_dict`` / ``load_full_state_dict``: unsharded checkpoints. ``clip_grad_norm_``:
   the global gradient norm.
 - ``pre_backward_handler`` / ``post_backward_handler`` and the sentinel names: the protocol a
@@ -21,6 +22,7 @@ Everything else stays importable from its module (``fsdp_graph.fsdp``: the shard
 ``fsdp_graph.graphs``: capture and replay; ``fsdp_graph.steps``: the steps).
 """
 
+from .checkpoint.checkpointer import Checkpointer
 from .fsdp.clip_grad import clip_grad_norm_
 from .fsdp.distributed import DistInfo, init_distributed
 from .fsdp.fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method
@@ -37,6 +39,7 @@ from .steps.make_step import make_eval_step, make_train_step
 __all__ = [
     "BACKWARD_PRE_SENTINEL",
     "BACKWARD_SENTINEL",
+    "Checkpointer",
     "DistInfo",
     "FSDPModule",
     "GraphConfig",

@@ -13,8 +13,9 @@ MAX_CLASS_LINES = 250
 ALLOWED_DOWNWARD = {
     "fsdp_graph.graphs": {"fsdp_graph.fsdp.capture_interface", "fsdp_graph.fsdp.introspect"},
     "fsdp_graph.steps": {"fsdp_graph.fsdp.capture_interface", "fsdp_graph.fsdp.clip_grad"},
+    "fsdp_graph.checkpoint": {"fsdp_graph.fsdp.agreement"},
 }
-LAYERS = ("fsdp_graph.fsdp", "fsdp_graph.graphs", "fsdp_graph.steps")
+LAYERS = ("fsdp_graph.fsdp", "fsdp_graph.graphs", "fsdp_graph.steps", "fsdp_graph.checkpoint")
 
 
 def _modules() -> dict[str, Path]:

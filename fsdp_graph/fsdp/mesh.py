@@ -50,6 +50,11 @@ class ShardMesh:
         return group_rank_and_size(self.replicate_group)[1]
 
     @property
+    def ranks(self) -> tuple[int, ...]:
+        """The global ranks that hold this unit's shards and replicas (empty without a group)."""
+        return () if self.mesh is None else tuple(self.mesh.mesh.flatten().tolist())
+
+    @property
     def placements(self) -> tuple:
         return (Replicate(), Shard(0)) if self.replicate_group is not None else (Shard(0),)
 
