@@ -10,6 +10,9 @@ a LambdaLR warm-up, a data source whose position is its state, ``Checkpointer.sa
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -152,3 +155,39 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
                                torch.stack([plain["losses"][s] for s in range(4, STEPS)]), rtol=1e-5, atol=1e-6)
     for name, value in plain["weights"].items():
         torch.testing.assert_close(moved["weights"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# -- a kill during a save ------------------------------------------------------------------------
+KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "kill_during_save.py")
+
+
+def _killed_while_saving(root, phase: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, KILL_SCRIPT, str(root), phase], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == -signal.SIGKILL, f"the script was not killed at {phase}:\n{done.stdout}\n{done.stderr}"
+
+
+@pytest.mark.parametrize("phase, survivor", [("after_data", 2), ("rank_state", 2), ("before_publish", 2),
+                                             ("while_pruning", 4)])
+def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path, phase, survivor):
+    """Killed mid-save, the directory holds the previous checkpoint (or the new one, if it was
+    already published), complete and loadable with the values it was saved with; the next save
+    sweeps what the killed one left."""
+    _killed_while_saving(tmp_path, phase)
+    ckpt = fsdp_graph.Checkpointer(tmp_path / "ckpt", keep_last=1)
+    leftovers = [e for e in os.listdir(tmp_path / "ckpt") if e.startswith((".tmp-", ".trash-"))]
+    assert leftovers, "the kill left nothing behind: it did not happen mid-save"
+    assert ckpt.latest()[0] == survivor
+    torch.manual_seed(5)  # other initial values: the load must set them
+    model = shard(TinyLM(n_blocks=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert ckpt.load(model, optimizer) == survivor
+    want = torch.load(tmp_path / f"expected_{survivor}.pt")
+    for key, value in want["model"].items():
+        assert torch.equal(model.state_dict()[key], value), f"{key} differs from step {survivor}'s"
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p, value in zip(trainable, want["exp_avg"], strict=True):
+        assert torch.equal(optimizer.state[p]["exp_avg"], value)
+    ckpt.save(survivor + 1, model, optimizer)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [f"step_{survivor + 1:08d}"]

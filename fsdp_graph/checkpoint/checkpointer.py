@@ -55,6 +55,17 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _dcp(fn, state: dict, path: Path) -> None:
+    """``dcp.save`` / ``dcp.load``; without a process group in DCP's single-process mode, which is
+    what a plain ``python script.py`` means (DCP would warn that it assumes so)."""
+    if _distributed():
+        fn(state, checkpoint_id=str(path))
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        fn(state, checkpoint_id=str(path), no_dist=True)
+
+
 def _on_rank0(what: str, fn):
     """Run ``fn`` on rank 0 and give its result to every rank; an error there is raised everywhere."""
     result: list[Any] = [None]
@@ -123,7 +134,7 @@ class Checkpointer:
         state = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
-        dcp.save(state, checkpoint_id=str(temporary))
+        _dcp(dcp.save, state, temporary)
         error = None
         try:
             path = temporary / directory.rank_filename(rank)
@@ -173,7 +184,7 @@ class Checkpointer:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
         saved_keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
         check_covered(saved_keys, flat_keys(state), str(path))
-        dcp.load(state, checkpoint_id=str(path))
+        _dcp(dcp.load, state, path)
         set_model_state_dict(model, state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state["optim"])
