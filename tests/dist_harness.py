@@ -42,7 +42,7 @@ def _free_port() -> int:
 
 
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str, error_file: str, timeout: float,
-               args) -> None:
+               group_timeout: float | None, args) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -69,7 +69,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str
 
     code = 0
     try:
-        info = fsdp_graph.init_distributed(backend)
+        info = fsdp_graph.init_distributed(backend, timeout=group_timeout)
         fn(info, *args)
         if dist.is_initialized():
             dist.barrier()
@@ -86,16 +86,19 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, backend: str
     os._exit(code)
 
 
-def run_ranks(fn: Callable, world_size: int, *args, backend: str | None = None, timeout: float | None = None) -> None:
+def run_ranks(fn: Callable, world_size: int, *args, backend: str | None = None, timeout: float | None = None,
+              group_timeout: float | None = None) -> None:
     """Run ``fn(info, *args)`` on ``world_size`` ranks; ``fn`` must be a module-level function.
-    ``timeout``: seconds before a rank still running counts as hung (FSDP_GRAPH_TEST_TIMEOUT, 240)."""
+    ``timeout``: seconds before a rank still running counts as hung (FSDP_GRAPH_TEST_TIMEOUT, 240).
+    ``group_timeout``: the process group's (``init_distributed(timeout=)``; torch's default if None)."""
     backend = backend or backend_for(world_size)
     timeout = TIMEOUT_S if timeout is None else timeout
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         errors = [os.path.join(tmp, f"rank{r}.err") for r in range(world_size)]
         procs = [
-            _ctx.Process(target=_rank_main, args=(fn, r, world_size, port, backend, errors[r], timeout, args))
+            _ctx.Process(target=_rank_main, args=(fn, r, world_size, port, backend, errors[r], timeout, group_timeout,
+                                                    args))
             for r in range(world_size)
         ]
         for p in procs:

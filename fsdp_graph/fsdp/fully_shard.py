@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .fsdp_options import Options, list_of_modules, resolve_options
 from .hooks import register_unit_hooks, run_as_forward
@@ -30,6 +31,7 @@ from .replaced_params_check import install as install_replaced_params_check
 from .root import RootContext
 from .sharded_param import master_owner, replaced_by
 from .unit import FSDPUnit, UnitConfig
+from .verify import verify_same_weights
 
 _HOOKS_ATTR = "_fsdp_hook_handles"
 IGNORED_TAG = "_fsdp_graph_ignored"  # on a parameter passed in ignored_params: no unit ever owns it
@@ -369,6 +371,7 @@ def fully_shard(
     double_buffer: bool = True,
     persist_buffer_on_alloc_fail: bool = True,
     process_group: dist.ProcessGroup | None = None,
+    verify: bool = False,
 ):
     """Shard ``module``'s parameters (those not owned by an inner unit) across the data-parallel
     ranks, in place; returns ``module``. FSDP2's signature (``fsdp_options.py`` says how each of
@@ -380,18 +383,21 @@ def fully_shard(
     other units) gets its own persistent buffer instead of a fresh allocation per unshard
     (required for CUDA graphs too). With ``double_buffer=False`` every unshard allocates, as in
     FSDP2. ``process_group``: the group to shard over (the alternative to a 1-D ``mesh``).
+    ``verify``: first check that every rank passes the same weights (``verify.py``; one small
+    collective per unit), naming the first that differs (a forgotten seed).
     """
     options = resolve_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
                               ignored_params, process_group)
     if isinstance(module, (list, tuple)):
         modules = list_of_modules(module)
-        return [_shard_one(m, options, double_buffer, persist_buffer_on_alloc_fail) for m in modules]
+        return [_shard_one(m, options, double_buffer, persist_buffer_on_alloc_fail, verify) for m in modules]
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(module).__name__}")
-    return _shard_one(module, options, double_buffer, persist_buffer_on_alloc_fail)
+    return _shard_one(module, options, double_buffer, persist_buffer_on_alloc_fail, verify)
 
 
-def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist_buffer_on_alloc_fail: bool):
+def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist_buffer_on_alloc_fail: bool,
+               verify: bool = False):
     enclosing = module.__dict__.get(ENCLOSING_ATTR)
     if enclosing is not None:
         if enclosing.module is module:
@@ -434,6 +440,23 @@ def _shard_one(module: nn.Module, options: Options, double_buffer: bool, persist
             _link(rebuilt)
             refs = _param_refs(module)
 
+    if verify:
+        _verify_same_weights(module, mesh)
     unit = _build_unit(module, refs, config, mesh, device)
     _link(unit)
     return module
+
+
+def _verify_same_weights(module: nn.Module, mesh) -> None:
+    """The weights this call shards (not yet sharded by an inner unit) and the module's buffers,
+    the same on every rank of the mesh."""
+    named = [(n, t) for n, t in list(module.named_parameters()) + list(module.named_buffers())
+             if replaced_by(t) is None and not isinstance(t, DTensor)]
+    if any(t.is_meta for _, t in named):
+        raise ValueError(
+            f"fully_shard(verify=True) on {type(module).__name__}: its parameters are on the meta device, so there "
+            "are no weights to compare yet (each rank initialises its own shard after to_empty). Pass verify=False "
+            "for a meta-device model."
+        )
+    groups = [g for g in (mesh.shard_group, mesh.replicate_group) if g is not None]
+    verify_same_weights(type(module).__name__, named, groups)

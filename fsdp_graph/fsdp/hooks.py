@@ -12,6 +12,7 @@ hook                           kind            does
                                                backward calls ``post_backward_handler``
 ``post_forward_reshard``       forward         reshard (mark the buffer free); ``always_call``, so
                                                a forward that raises still puts the masters back
+                                               (and notes the failed step, see root.py)
 ``install_pre_backward``       forward         register grad hooks on the outputs that call
                                                ``pre_backward_handler`` (and queue the root's
                                                end-of-backward step)
@@ -85,7 +86,10 @@ def cast_forward_outputs(module: nn.Module, args: tuple, output):
 
 def post_forward_reshard(module: nn.Module, args: tuple, output) -> None:
     unit = unit_of(module)
-    if unit.state is TrainingState.IDLE and sys.exc_info()[1] is not None:
+    raised = sys.exc_info()[1] if output is None else None  # always_call: the forward raised
+    if raised is not None:
+        root_of(module).note_failed_step(raised)  # the next forward checks every rank failed it too
+    if unit.state is TrainingState.IDLE and raised is not None:
         return  # always_call after pre_forward itself raised: nothing was unsharded
     root_of(module).post_forward(unit)
 

@@ -18,11 +18,17 @@ from contextlib import contextmanager
 
 import torch
 
+from .agreement import AgreementError, agree
 from .buffers import plan_placements, plan_scratch
 from .collectives import CommStreams
 from .order import ExecutionOrder
 from .training_state import TrainingState
 from .unit import FSDPUnit
+
+# How long a rank whose step raised waits at its next forward for the other ranks to report the
+# same failure. Ranks that failed the same step get there within the time their error handling
+# takes; a rank that did not fail never does, so this bounds the wait before the clear error.
+FAILED_STEP_WAIT_S = 60.0
 
 
 def _in_backward() -> bool:
@@ -37,6 +43,8 @@ class RootContext:
         self.streams: CommStreams | None = None
         self.order: ExecutionOrder[FSDPUnit] = ExecutionOrder()
         self._end_of_backward_queued = False
+        self._failed_step: str | None = None  # what raised in the last step (note_failed_step)
+        self._failed_steps = 0
 
     def lazy_init(self) -> None:
         """Plan placements and bind every unit (once; idempotent)."""
@@ -85,11 +93,36 @@ class RootContext:
 
     # -- iteration boundaries -------------------------------------------------------------
     def begin_forward(self) -> None:
-        """Root pre-forward: a new iteration. Recover units left mid-step by an exception."""
+        """Root pre-forward: a new iteration. Recover units left mid-step by an exception, once
+        every rank agrees that it failed the same step."""
         self._end_of_backward_queued = False
+        stuck = [unit for unit in self.units if unit.state is not TrainingState.IDLE]
+        if stuck or self._failed_step is not None:
+            self._agree_to_go_on(self._failed_step or f"unit {stuck[0].name} was left in {stuck[0].state.value}")
         for unit in self.units:
             unit.reset_if_stuck()
             unit.param_group.clear_prefetch()
+
+    def note_failed_step(self, error: BaseException) -> None:
+        """A training step raised (``make_train_step`` tells; units left mid-step tell by themselves)."""
+        self._failed_step = f"{type(error).__name__}: {error}"[:300]
+
+    def _agree_to_go_on(self, failure: str) -> None:
+        """After a step that raised here, go on only if every rank of the group failed it too: a
+        rank that went on would pair its collectives with ours (gloo aborts, NCCL mixes buffers)."""
+        self._failed_step = None
+        self._failed_steps += 1
+        ranks = sorted({rank for unit in self.units for rank in unit.mesh.ranks})
+        try:
+            agree(f"go on after failed step #{self._failed_steps}", ranks, channel=f"failed-step/{self.root.name}",
+                  timeout=FAILED_STEP_WAIT_S)
+        except AgreementError as err:
+            raise RuntimeError(
+                f"a training step raised on this rank ({failure}) but not on every rank: {err}. The ranks' "
+                "collectives are now out of step, so training cannot go on. Let the exception end the job "
+                "(torchrun --max-restarts restarts it from the last checkpoint); catching an exception and "
+                "going on works only when every rank failed the same step."
+            ) from None
 
     def end_forward(self) -> None:
         self.order.forward_done()

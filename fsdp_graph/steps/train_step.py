@@ -100,17 +100,21 @@ class TrainStep:
                     loss = loss / k
                 loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
-        except BaseException:
+            for unit, flag in zip(self.units, previous_sync):
+                unit.requires_gradient_sync = flag
+            if self.max_grad_norm is not None:
+                clip_grad_norm_(self.model, self.max_grad_norm)
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        except BaseException as err:
             self.clear_grads()  # no partial gradient may leak into the next step
+            for ctx in root_contexts(self.model):
+                ctx.note_failed_step(err)  # the next step first checks every rank failed it too
             raise
         finally:
             for unit, flag in zip(self.units, previous_sync):
                 unit.requires_gradient_sync = flag
-        if self.max_grad_norm is not None:
-            clip_grad_norm_(self.model, self.max_grad_norm)
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
         return total
 
     def clear_grads(self) -> None:

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fsdp_graph  # noqa: E402
 from fsdp_graph.checkpoint import directory  # noqa: E402
+
 from models import TinyLM, global_batch, lm_loss, shard  # noqa: E402
 
 
