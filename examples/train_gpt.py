@@ -9,6 +9,8 @@ Bigger model, synthetic tokens, bf16 compute:
 CUDA graphs (GPU): each block, or the whole step (collectives and optimizer included):
     launch/run.sh examples/train_gpt.py --config small --graph layer
     launch/run.sh examples/train_gpt.py --config small --graph full_iteration --grad-accum 2
+Checkpoints every 50 steps, and after a crash (or under torchrun --max-restarts) resume exactly:
+    launch/run.sh --max-restarts 3 examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 50 --resume
 
 Every rank builds the same model from the same seed, shards it (each block, then the root),
 and trains on its own micro-batches; gradients are averaged by the reduce-scatter.
@@ -96,14 +98,26 @@ def parse_args() -> argparse.Namespace:
                    help="text: built-in corpus, byte tokens (needs vocab >= 256); synthetic: uniform random "
                         "tokens, nothing to learn, for throughput (default: text for tiny, synthetic otherwise)")
     p.add_argument("--log-every", type=int, default=10, help="progress update every N steps")
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (fsdp_graph.Checkpointer)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="save every N steps (and after the last)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest N checkpoints")
+    p.add_argument("--resume", action="store_true",
+                   help="start from the newest complete checkpoint in --checkpoint-dir, if there is one")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a collective waits for the other ranks before the job fails with an error")
     args = p.parse_args()
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir (where to look for checkpoints)")
+    if args.checkpoint_every < 1:
+        p.error("--checkpoint-every must be >= 1")
     if args.lr is None:
         args.lr = DEFAULT_LR[args.config]
     return args
 
 
 class Batches:
-    """Each rank draws its own (inputs, targets) micro-batches from a generator seeded with seed + rank."""
+    """Each rank draws its own (inputs, targets) micro-batches from a generator seeded with seed + rank.
+    Its position is the generator's state (``state_dict``), which checkpoints save per rank."""
 
     def __init__(self, kind: str, cfg: GPTConfig, batch_size: int, seed: int, device: torch.device) -> None:
         self.kind, self.cfg, self.batch_size, self.device = kind, cfg, batch_size, device
@@ -124,6 +138,12 @@ class Batches:
             windows = torch.randint(0, self.cfg.vocab_size, (B, T + 1), generator=self.gen)
         windows = windows.to(self.device, non_blocking=True)
         return windows[:, :-1], windows[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"generator": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gen.set_state(state["generator"])
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -172,7 +192,7 @@ def synchronize(device: torch.device) -> None:
 
 def main() -> None:
     args = parse_args()
-    dist = fsdp_graph.init_distributed()
+    dist = fsdp_graph.init_distributed(timeout=args.timeout)
     device = dist.device
     cfg = CONFIGS[args.config]
     data = args.data or ("text" if args.config == "tiny" else "synthetic")
@@ -193,10 +213,11 @@ def main() -> None:
     no_decay = {name for name, p in model.named_parameters()
                 if p.dim() < 2 or name.endswith("bias") or "ln" in name or "norm" in name}
 
-    # Shard each block (one sharding unit each), then the root (embeddings, final norm, head).
+    # Shard each block (one sharding unit each), then the root (embeddings, final norm, head),
+    # checking first that every rank built the same weights (verify=True: one small collective per unit).
     for block in model.blocks:
-        fsdp_graph.fully_shard(block, mp_policy=mp_policy)
-    fsdp_graph.fully_shard(model, mp_policy=mp_policy)
+        fsdp_graph.fully_shard(block, mp_policy=mp_policy, verify=True)
+    fsdp_graph.fully_shard(model, mp_policy=mp_policy, verify=True)
 
     # The optimizer sees the sharded fp32 master parameters under their original names.
     named = list(model.named_parameters())
@@ -210,8 +231,20 @@ def main() -> None:
         param_groups, lr=torch.tensor(args.lr, device=device) if cuda else args.lr, betas=(0.9, 0.95),
         fused=cuda or None, capturable=args.graph == "full_iteration",
     )
+    # The schedule as a multiplier of the peak rate: torch's schedulers fill tensor rates in place.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, args) / args.lr)
 
     batches = Batches(data, cfg, args.batch_size, args.seed + dist.rank, device)
+
+    # Resume (before the step is built: a whole-step graph captures the optimizer state it finds).
+    checkpoints = (fsdp_graph.Checkpointer(args.checkpoint_dir, keep_last=args.keep_checkpoints)
+                   if args.checkpoint_dir else None)
+    start = 0
+    if args.resume:
+        start = checkpoints.load(model, optimizer, scheduler=scheduler, data=batches) or 0
+        if dist.is_main:
+            print(f"resumed from step {start}" if start else "no checkpoint to resume from: starting at step 0",
+                  flush=True)
     tokens_per_step = args.batch_size * cfg.seq_len * dist.world_size * args.grad_accum  # global
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,18 +276,15 @@ def main() -> None:
     window_start = run_start = None
     window_steps = 0
     last_tok_s = 0.0
-    for step in range(args.steps):
-        for group in optimizer.param_groups:
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(lr_at(step, args))  # in place: a graph reads this tensor
-            else:
-                group["lr"] = lr_at(step, args)
-
-        loss = train_step(*(first_batch if step == 0 else next_batch()))
+    for step in range(start, args.steps):
+        loss = train_step(*(first_batch if step == start else next_batch()))
+        scheduler.step()  # the next step's learning rate, filled in place (a graph reads the tensor)
         loss_sum += loss
         loss_count += 1
+        if checkpoints is not None and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            checkpoints.save(step + 1, model, optimizer, scheduler=scheduler, data=batches)
 
-        if step == 0:
+        if step == start:
             # The first step warms up (allocations, kernel selection): exclude it from tokens/s.
             first_loss = mean_over_ranks(loss.detach())
             synchronize(device)
@@ -277,12 +307,13 @@ def main() -> None:
 
     if bar is not None:
         bar.close()
-    if args.steps == 1:
+    timed = args.steps - start - 1  # steps after the first (warm-up) one of this run
+    if timed <= 0:
         last_loss = first_loss
     if is_main:
         elapsed = time.perf_counter() - run_start if run_start is not None else 0.0
-        tok_s = tokens_per_step * (args.steps - 1) / elapsed if elapsed > 0 else last_tok_s
-        ms = 1000 * elapsed / (args.steps - 1) if args.steps > 1 and elapsed > 0 else float("nan")
+        tok_s = tokens_per_step * timed / elapsed if timed > 0 and elapsed > 0 else last_tok_s
+        ms = 1000 * elapsed / timed if timed > 0 and elapsed > 0 else float("nan")
         print(f"final loss {last_loss:.4f} | {tok_s:.0f} tokens/s | {ms:.1f} ms/step | graph {args.graph} "
               f"| world size {dist.world_size} | first loss {first_loss:.4f} | {args.steps} steps", flush=True)
 
