@@ -162,8 +162,9 @@ def _verify(info, same_seed: bool) -> None:
     if same_seed:
         shard(model, verify=True)
         return
-    with pytest.raises(ValueError, match=rf"fully_shard\(verify=True\) on Block: 'qkv.weight' \(and 6 more\) differs between rank "
-                                         rf"{info.rank} and rank {1 - info.rank}.*torch.manual_seed"):
+    expected = (rf"fully_shard\(verify=True\) on Block: 'qkv.weight' \(and 6 more\) differs between rank {info.rank} "
+                rf"and rank {1 - info.rank}.*torch.manual_seed")
+    with pytest.raises(ValueError, match=expected):
         fsdp_graph.fully_shard(model.blocks[0], verify=True)
 
 

@@ -89,8 +89,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         unit.require_idle("load_full_state_dict")
     current = model.state_dict(keep_vars=True)
     problem = _mismatch(current, state_dict)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    agree("load_full_state_dict" if problem is None else f"load_full_state_dict (refused by rank {rank}: {problem})",
+    agree("load_full_state_dict" if problem is None else f"load_full_state_dict (refused there: {problem})",
           unit_ranks(units))
     if problem is not None:
         raise problem
