@@ -59,3 +59,20 @@ def test_deterministic_mode_names_our_systems_that_are_not_bitwise():
         ("fsdp2_eager", [2.0, 1.4]))]
     compare_losses(records)
     assert ours_not_bitwise(records) == ["small/ours_full_iteration"]  # FSDP2's differences are reported only
+
+
+def test_soak_smoke_run_checks_every_strategy_it_runs():
+    """``examples/soak.py`` for a few steps: eager on CPU, every strategy on 2 GPUs; its memory and
+    loss checks pass (12 steps say nothing about timing: the slow-step check is made lenient)."""
+    import torch
+
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "OMP_NUM_THREADS": "1"}
+    strategies = ["none", "layer", "full_iteration"] if torch.cuda.device_count() >= 2 else ["none"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "examples" / "soak.py"), "--config", "tiny", "--steps", "12", "--settle", "6",
+           "--slow-factor", "100", "--strategies", *strategies]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = result.stdout
+    for strategy in strategies:
+        assert f"| {strategy} | 12 |" in out, out + result.stderr[-3000:]
+    assert result.returncode == 0 and "soak: every check passed" in out, out + result.stderr[-3000:]
