@@ -171,3 +171,22 @@ def _verify(info, same_seed: bool) -> None:
 @pytest.mark.parametrize("same_seed", [True, False])
 def test_verify_refuses_different_initial_weights_on_different_ranks(same_seed):
     run_ranks(_verify, 2, same_seed, backend="gloo", timeout=60)
+
+
+# -- a collective one rank never joins ------------------------------------------------------------
+def _skips_the_forward(info) -> None:
+    model = _model(info)
+    idx, targets = global_batch(0, 2, torch.device("cpu"))
+    if info.rank == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 0: the all-gather of FSDP unit <root> \(TinyLM\) failed: .*"
+                                               r"another rank did not join it.*init_distributed\(timeout=...\)"):
+            lm_loss(model, idx, targets)
+        assert time.monotonic() - start < 6 * TIMEOUT_S
+    else:
+        time.sleep(TIMEOUT_S + 3)  # skips this step's forward: never joins the root's all-gather
+    os._exit(0)  # the group is out of step by design
+
+
+def test_a_collective_a_rank_never_joins_names_the_rank_the_collective_and_the_unit():
+    run_ranks(_skips_the_forward, 2, backend="gloo", group_timeout=TIMEOUT_S, timeout=90)

@@ -18,6 +18,21 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class CollectiveError(RuntimeError):
+    """A collective of a unit failed: on gloo, most often a rank that never joined it (timeout)."""
+
+
+def collective_failed(op: str, unit: str, error: BaseException) -> CollectiveError:
+    """The error to raise when ``op`` of ``unit`` raised ``error``: which rank, which collective, why."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return CollectiveError(
+        f"rank {rank}: the {op} of FSDP unit {unit} failed: {str(error).strip().splitlines()[0][:300]}. If it timed "
+        "out, another rank did not join it: a rank that skipped this unit (a data-dependent branch), called a "
+        "collective on one rank only, raised in an earlier step, or died. fsdp_graph.init_distributed(timeout=...) "
+        "bounds the wait. (On NCCL a collective runs asynchronously: its timeout is reported by NCCL's watchdog.)"
+    )
+
+
 def all_gather_inplace(flat: torch.Tensor, shard_numel: int, group: dist.ProcessGroup | None) -> None:
     """Gather every rank's shard into ``flat``; this rank's shard is already in place in ``flat``."""
     if group is None or flat.numel() == 0:

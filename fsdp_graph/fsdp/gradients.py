@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import CommScratch, FlatBuffers, GradBuffer
-from .collectives import CommStreams, all_reduce, reduce_scatter_sum
+from .collectives import CommStreams, all_reduce, collective_failed, reduce_scatter_sum
 from .flat_layout import FlatLayout
 from .mesh import ShardMesh, local_tensor
 from .sharded_param import ShardedParam
@@ -35,6 +35,7 @@ class UnitGradients:
         self.params = params
         self.layout = layout
         self.compute_dtype = compute_dtype
+        self.name = "?"  # the unit's name, set by FSDPUnit.rename (for error messages)
         self.group: dist.ProcessGroup | None = mesh.shard_group
         self.replicate_group: dist.ProcessGroup | None = mesh.replicate_group
         self.world_size = layout.world_size * mesh.replicate_size  # the data-parallel ranks averaged over
@@ -124,8 +125,11 @@ class UnitGradients:
             target.tensor[: layout.unsharded_numel].zero_()  # ready for the next backward, off its path
             target.zeroed = True
             target.reduce_done = streams.record(streams.reduce)  # the target is free again
-            reduce_scatter_sum(reduced, grads, self.group)
-            all_reduce(reduced, self.replicate_group)
+            try:
+                reduce_scatter_sum(reduced, grads, self.group)
+                all_reduce(reduced, self.replicate_group)
+            except RuntimeError as err:
+                raise collective_failed("gradient reduce-scatter", self.name, err) from err
             self._accumulate_sharded(reduced)
             self._run_post_accumulate_hooks()
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .buffers import BufferDtypes, CommScratch, FlatBuffers, Placement, SlotPool
-from .collectives import CommStreams, all_gather_inplace
+from .collectives import CommStreams, all_gather_inplace, collective_failed
 from .flat_layout import FlatLayout
 from .mesh import ShardMesh
 from .sharded_param import ShardedParam, alias
@@ -169,7 +169,10 @@ class ParamGroup:
         if layout.shard_numel:
             with streams.enter(streams.all_gather):
                 self._own_shard.copy_(self.master_flat)
-                all_gather_inplace(self._gathered, layout.shard_numel, self.group)
+                try:
+                    all_gather_inplace(self._gathered, layout.shard_numel, self.group)
+                except RuntimeError as err:
+                    raise collective_failed("all-gather", self.name, err) from err
                 layout.copy_out(self._by_rank, self._copy_out_targets)
                 self._unshard_event = streams.record(streams.all_gather)
         return True

@@ -100,7 +100,7 @@ class FSDPUnit:
         self.grads = UnitGradients(self.params, self.param_group.layout, compute, self.param_group.master_flat, mesh)
         for param in self.params:
             param.tag(self)
-        self.name = self.class_name  # fully_shard renames it to "<path> (<class>)" once the tree is known
+        self.rename(self.class_name)  # fully_shard renames it to "<path> (<class>)" once the tree is known
         self.active = True  # False once fully_shard dissolved it to rebuild it
         self.state = TrainingState.IDLE
         self.in_forward_method = False  # a registered forward method runs (it may call the module again)
@@ -118,7 +118,7 @@ class FSDPUnit:
         self._grads_accumulated = 0
 
     def rename(self, name: str) -> None:
-        self.name = self.param_group.name = name
+        self.name = self.param_group.name = self.grads.name = name
 
     @property
     def params(self) -> list[ShardedParam]:
