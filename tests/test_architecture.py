@@ -94,7 +94,7 @@ def test_imports_run_one_way_through_the_documented_interface():
         layer = _layer(module)
         if layer is None:
             if module != "fsdp_graph":
-                problems.append(f"{module} lies outside the three layers")
+                problems.append(f"{module} lies outside the layers")
             continue
         for target in targets:
             if target == "fsdp_graph":
