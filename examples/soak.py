@@ -8,7 +8,9 @@ deterministic kernels and a fixed NCCL algorithm, capturable fused AdamW and cli
 ``make_train_step``. Each step is timed between two device synchronisations. Checked, per
 strategy: peak memory (``torch.cuda.max_memory_allocated``) does not grow after step
 ``--settle`` (default 20); no step after warm-up takes more than 3x the median (``--slow-factor``); every loss equals
-the eager run's bit for bit. Prints a table; exits 1 if a check fails.
+the eager run's bit for bit. Each slow step is reported with whether a full Python garbage
+collection ran in it; ``--gc-freeze`` (default) freezes the set-up objects once the step is built,
+so full collections stay short. Prints a table; exits 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--settle", type=int, default=20, help="steps after which peak memory must stay flat")
     p.add_argument("--slow-factor", type=float, default=3.0, help="no step after warm-up may take longer than "
                    "this times the median")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                   help="gc.freeze() once the step is built, so that Python's full collections do not scan the "
+                        "long-lived set-up objects mid-run (torchtitan and Megatron manage the collector too)")
     p.add_argument("--strategies", nargs="+", default=["none", "layer", "full_iteration"],
                    choices=["none", "layer", "full_iteration"], help="'none' (eager) is the reference")
     return p.parse_args()
@@ -78,6 +83,9 @@ def run(strategy: str, args, info) -> dict:
             collections[0] += 1
 
     gc.callbacks.append(count_full_gc)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     for i in range(args.steps):
         x, y = batch(i, cfg, args.batch_size, info.rank, info.device)
         sync(info.device)
@@ -90,6 +98,7 @@ def run(strategy: str, args, info) -> dict:
         peaks.append(torch.cuda.max_memory_allocated(info.device) if cuda else 0)
         live.append(torch.cuda.memory_allocated(info.device) if cuda else 0)
     gc.callbacks.remove(count_full_gc)
+    gc.unfreeze()
     result = {"losses": torch.stack(losses).cpu(), "times": times, "peaks": peaks, "live": live, "full_gcs": full_gcs}
     step = optimizer = model = None  # free them before the next strategy builds its own
     if cuda:
@@ -133,7 +142,7 @@ def main() -> int:
             failures.append(f"{strategy}: losses differ from eager's from step {first_diff}")
     if info.rank == 0:
         print(f"soak: config {args.config}, world size {info.world_size}, {args.steps} steps, "
-              f"device {info.device.type}")
+              f"device {info.device.type}, gc.freeze {'on' if args.gc_freeze else 'off'}")
         print(f"| strategy | steps | median ms | slowest ms | slowest / median | steps > {args.slow_factor:g}x median "
               "(with a full gc) | peak GiB at settle | peak growth after, MiB | live memory range after, MiB | "
               "full gcs | losses vs eager |")
