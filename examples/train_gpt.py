@@ -318,17 +318,6 @@ def main() -> None:
               f"| world size {dist.world_size} | first loss {first_loss:.4f} | {args.steps} steps", flush=True)
 
 
-def shutdown() -> None:
-    """Tear down the process group, if any, while the interpreter is fully alive."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # gloo's worker threads drop their last references to a finished collective's
-        # tensors a moment after it completes, and need the GIL to do it; if the
-        # interpreter is already finalising, the process aborts ("terminate called without
-        # an active exception", pytorch/pytorch#190489). Releasing the GIL briefly lets them.
-        time.sleep(0.05)
-        torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
     main()  # an exception exits non-zero; torchrun then stops the other ranks
-    shutdown()
+    fsdp_graph.shutdown()  # optional: init_distributed registers it at exit

@@ -28,6 +28,7 @@ from .fsdp.distributed import DistInfo, init_distributed
 from .fsdp.fully_shard import FSDPModule, fully_shard, register_fsdp_forward_method
 from .fsdp.hooks import BACKWARD_PRE_SENTINEL, BACKWARD_SENTINEL, post_backward_handler, pre_backward_handler
 from .fsdp.mixed_precision import MixedPrecision, MixedPrecisionPolicy
+from .fsdp.shutdown import shutdown
 from .fsdp.state_dict import full_state_dict, load_full_state_dict
 from .fsdp.training_state import TransitionError
 from .graphs.capture import make_graphed_callables
@@ -60,6 +61,7 @@ __all__ = [
     "pre_backward_handler",
     "register_fsdp_forward_method",
     "select_modules",
+    "shutdown",
 ]
 
 __version__ = "0.1.0"

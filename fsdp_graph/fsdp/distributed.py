@@ -4,16 +4,24 @@ torchrun and accelerate both export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR an
 a plain `python script.py` exports none of them and runs as world size 1 *without* a process
 group (nothing to rendezvous with, no port to bind). The collectives in this package treat
 "no process group and world size 1" as a local no-op, so the same training script runs in both.
+
+Under torchrun the group's store keys get a namespace of their own per restart attempt
+(``_attempt_store``), and the group is destroyed at exit before Python finalises (``shutdown.py``).
 """
 
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import constants
+
+from .shutdown import register_shutdown_at_exit
 
 
 @dataclass(frozen=True)
@@ -89,8 +97,84 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta | No
     kwargs = {} if timeout is None else {"timeout": timeout}
     if device.type == "cuda" and "nccl" in backend:
         kwargs["device_id"] = device  # eager NCCL init: communicators exist before any capture
+    store = _attempt_store(rank, world_size, timeout or _default_timeout(backend))
+    if store is not None:
+        kwargs["store"] = store
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+    register_shutdown_at_exit()
     return DistInfo(rank, world_size, local_rank, device)
+
+
+_NAMESPACE = "fsdp_graph/attempt"
+
+
+def _default_timeout(backend: str) -> timedelta:
+    nccl = getattr(constants, "default_pg_nccl_timeout", None)
+    return nccl if "nccl" in backend and nccl is not None else constants.default_pg_timeout
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
+    """The store to create the group over: torchrun's, under a key prefix new to this attempt;
+    None (torch's own env:// rendezvous) when no torchrun agent hosts the store.
+
+    Why: torchrun's agent (c10d rendezvous, its default, ``TORCHELASTIC_USE_AGENT_STORE=True``)
+    keeps one store for the whole job and hands the same MASTER_PORT to every restart attempt, so
+    the keys of an attempt that died are still there: gloo's listening addresses, NCCL's unique
+    id, torch's and this package's own. A restarted rank that reads a dead peer's address before
+    the live peer overwrites it fails with "connectFullMesh ... Connection refused" (a race: some
+    restarts work). Under a fresh prefix there is nothing stale to read.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    token = _fresh_token(store, rank, world_size, timeout)
+    return dist.PrefixStore(f"{_NAMESPACE}/{token}/", store)
+
+
+def _fresh_token(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> str:
+    """A random token every rank of this attempt agrees on, through a store that may hold an
+    earlier attempt's keys.
+
+    Rank 0 draws the token and sends it to each rank in reply to a random nonce that rank has
+    just written: a reply to a fresh nonce can only come from this attempt's rank 0.
+    TORCHELASTIC_RESTART_COUNT would be simpler, but each node's agent counts its own restarts,
+    so it differs across nodes (pytorch/pytorch#135712).
+    """
+    hello = [f"{_NAMESPACE}/hello/{r}" for r in range(1, world_size)]
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(hello[rank - 1], nonce)
+        try:
+            token = store.get(f"{_NAMESPACE}/welcome/{nonce}").decode()  # waits up to the timeout
+        except RuntimeError as err:
+            raise _not_joined(f"rank {rank} got no reply from rank 0", timeout) from err
+        store.add(f"{_NAMESPACE}/{token}/joined", 1)
+        return token
+    token = uuid.uuid4().hex
+    joined = f"{_NAMESPACE}/{token}/joined"
+    answered: set[bytes] = set()
+    deadline = time.monotonic() + timeout.total_seconds()
+    try:
+        store.wait(hello)  # every rank wrote a nonce once: this attempt's, or a dead attempt's
+    except RuntimeError as err:
+        raise _not_joined("some ranks never reached init_distributed", timeout) from err
+    while (count := store.add(joined, 0)) < world_size - 1:
+        fresh = [nonce for nonce in store.multi_get(hello) if nonce not in answered]
+        if fresh:
+            store.multi_set([f"{_NAMESPACE}/welcome/{nonce.decode()}" for nonce in fresh], [token] * len(fresh))
+            answered.update(fresh)
+        elif time.monotonic() > deadline:
+            raise _not_joined(f"only {count} of the {world_size - 1} other ranks joined rank 0", timeout)
+        time.sleep(0.005)
+    return token
+
+
+def _not_joined(what: str, timeout: timedelta) -> RuntimeError:
+    return RuntimeError(
+        f"init_distributed: {what} within {timeout}: did every rank start (see their logs), and is this "
+        f"job the only one using MASTER_ADDR:MASTER_PORT={os.environ.get('MASTER_ADDR')}:"
+        f"{os.environ.get('MASTER_PORT')}? (init_distributed(timeout=...) sets how long to wait.)")
 
 
 def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
