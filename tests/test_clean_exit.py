@@ -18,7 +18,8 @@ import torch.distributed as dist
 import fsdp_graph
 
 SCRIPTS = Path(__file__).parent / "scripts"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# gloo's exit problem, on CPU: no GPU for the jobs even on a GPU machine (where they would pick NCCL).
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _run(cmd: list[str], timeout: float) -> tuple[int, str]:

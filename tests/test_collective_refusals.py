@@ -190,3 +190,23 @@ def _skips_the_forward(info) -> None:
 
 def test_a_collective_a_rank_never_joins_names_the_rank_the_collective_and_the_unit():
     run_ranks(_skips_the_forward, 2, backend="gloo", group_timeout=TIMEOUT_S, timeout=90)
+
+
+def _late_rank(info) -> None:
+    from fsdp_graph.fsdp.agreement import agree
+
+    if info.rank == 0:
+        with pytest.raises(AgreementError, match=r"rank\(s\) \[1\] did not make it"):
+            agree("first call", timeout=2)
+        time.sleep(3)  # rank 1 arrives now, late: it must not agree with the call rank 0 withdrew
+        agree("first call")  # rank 0 tries again: the two meet
+    else:
+        time.sleep(3)
+        start = time.monotonic()
+        agree("first call")
+        assert time.monotonic() - start > 1, "agreed with a call rank 0 had given up"
+    agree("second call")  # the sequence stays in step afterwards
+
+
+def test_a_rank_arriving_after_another_gave_up_does_not_agree_with_the_withdrawn_call():
+    run_ranks(_late_rank, 2, backend="gloo", group_timeout=30, timeout=60)

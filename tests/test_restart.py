@@ -1,4 +1,5 @@
-"""torchrun's first restart works: a rank SIGKILLed mid-step, the job restarted once, runs to the end.
+"""On CPU with gloo (the jobs see no GPU): torchrun's first restart works: a rank SIGKILLed
+mid-step, the job restarted once, runs to the end.
 
 Before the fix the restarted ranks often read the dead attempt's gloo addresses from torchrun's
 store and failed ("connectFullMesh ... Connection refused"): see ``_attempt_store`` in
@@ -18,7 +19,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "restart_job.py"
 def test_the_first_restart_runs_to_the_end():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", str(SCRIPT)]
-    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+                            capture_output=True, text=True,
                             timeout=120)
     out = result.stdout + result.stderr
     assert "attempt 0 rank 1: SIGKILL at step 3" in out, out[-6000:]

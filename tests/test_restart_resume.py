@@ -1,6 +1,7 @@
-"""torchrun restarts a job whose rank was killed (SIGKILL) mid-step, or mid-checkpoint, and the
-restarted job resumes from the newest complete checkpoint and ends bitwise equal to a run that was
-never interrupted: the same final weights, and the same loss at every step it trained again."""
+"""On CPU with gloo (the jobs see no GPU): torchrun restarts a job whose rank was killed (SIGKILL)
+mid-step, or mid-checkpoint, and the restarted job resumes from the newest complete checkpoint and
+ends bitwise equal to a run that was never interrupted: the same final weights, and the same loss
+at every step it trained again."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def _job(out: Path, kill: str, max_restarts: int) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", str(max_restarts), str(SCRIPT), str(out), kill]
-    done = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-6000:]
     return text

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import fsdp_graph
+import fsdp_graph.checkpoint.directory
 
 from dist_harness import run_ranks
 from models import TinyLM, global_batch, local_part, shard
@@ -191,3 +192,39 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path, ph
         assert torch.equal(optimizer.state[p]["exp_avg"], value)
     ckpt.save(survivor + 1, model, optimizer)
     assert sorted(os.listdir(tmp_path / "ckpt")) == [f"step_{survivor + 1:08d}"]
+
+
+# -- a directory another run wrote into, and data states of any kind -----------------------------------
+class NumpyPosition:
+    """A data source whose position holds numpy values (as many loaders' do)."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.epoch, self.rng = np.int64(0), np.random.default_rng(0)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+        self.rng.bit_generator.state = state["rng"]
+
+
+def test_a_save_into_a_directory_holding_later_steps_is_refused_and_numpy_data_states_round_trip(tmp_path):
+    pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    model = shard(TinyLM(n_blocks=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = NumpyPosition()
+    data.epoch += 3
+    data.rng.random(5)
+    ckpt = fsdp_graph.Checkpointer(tmp_path, keep_last=2)
+    ckpt.save(6, model, optimizer, data=data)
+    with pytest.raises(ValueError, match=r"already holds checkpoints of later steps \[6\], from another run.*"
+                                         r"Resume with load\(\) first, or use a fresh directory"):
+        ckpt.save(2, model, optimizer, data=data)  # a new run started over in the same directory
+    assert [step for step, _ in fsdp_graph.checkpoint.directory.complete_checkpoints(tmp_path)] == [6]
+    fresh = NumpyPosition()
+    assert ckpt.load(model, optimizer, data=fresh) == 6
+    assert fresh.epoch == 3 and fresh.rng.random() == data.rng.random()

@@ -129,8 +129,7 @@ class Checkpointer:
             raise ValueError(f"Checkpointer.save: step must be an int >= 0 (completed steps), got {step!r}")
         rank, world = _rank_and_world()
         agree(f"Checkpointer.save(step={step})")
-        temporary = Path(_on_rank0("creating the temporary directory",
-                                   lambda: str(directory.new_temporary(self.root, step))))
+        temporary = Path(_on_rank0("creating the temporary directory", lambda: self._temporary_for(step)))
         state = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -156,6 +155,17 @@ class Checkpointer:
 
         return Path(_on_rank0("publishing the checkpoint", finish))
 
+    def _temporary_for(self, step: int) -> str:
+        later = directory.newer_than(self.root, step)
+        if later:
+            raise ValueError(
+                f"Checkpointer.save(step={step}): {self.root} already holds checkpoints of later steps {later}, "
+                "from another run (or this run started over without loading them). Saving would mix the two "
+                "runs (and keep_last would prune the new checkpoint first). Resume with load() first, or use a "
+                "fresh directory."
+            )
+        return str(directory.new_temporary(self.root, step))
+
     # -- loading ------------------------------------------------------------------------------
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
              scheduler: Any | None = None, data: Any | None = None, restore_rng: bool = True) -> int | None:
@@ -168,7 +178,9 @@ class Checkpointer:
             return None
         step, path = found[0], Path(found[1])
         device = _device_of(model)
-        trainer = torch.load(path / directory.TRAINER_FILE, map_location=device, weights_only=True)
+        # weights_only=False: these files are this package's, written by the job itself, and may hold
+        # any picklable scheduler or data state (numpy values, say). Load checkpoints you trust.
+        trainer = torch.load(path / directory.TRAINER_FILE, map_location=device, weights_only=False)
         if trainer.get("format") != FORMAT:
             raise ValueError(f"checkpoint {path} has format {trainer.get('format')!r}; this version reads {FORMAT}")
         if optimizer is not None and not trainer["has_optimizer"]:
@@ -192,7 +204,7 @@ class Checkpointer:
             scheduler.load_state_dict(trainer["scheduler"])
 
         if trainer["world_size"] == world:
-            ranked = torch.load(path / directory.rank_filename(rank), map_location="cpu", weights_only=True)
+            ranked = torch.load(path / directory.rank_filename(rank), map_location="cpu", weights_only=False)
             rank_state.restore(ranked, device, data, str(path), rng=restore_rng)
         else:
             warnings.warn(

@@ -88,24 +88,31 @@ def sweep_leftovers(root: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _discard(path: Path) -> None:
-    """Remove a checkpoint directory without ever leaving a partial ``step_<n>``: rename, then delete."""
+def _to_trash(path: Path) -> Path:
+    """Take a checkpoint directory out of sight in one rename (deleted later: never a partial ``step_<n>``)."""
     trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
     fsync_dir(path.parent)
-    shutil.rmtree(trash, ignore_errors=True)
+    return trash
 
 
 def publish(temporary: Path, step: int) -> Path:
-    """Make the finished ``temporary`` visible as ``step_<n>`` in one rename (an older save of the
-    same step, if any, is discarded first)."""
+    """Make the finished ``temporary`` visible as ``step_<n>`` in one rename. An earlier save of the
+    same step is renamed away just before and deleted only after (a kill in between leaves the
+    older checkpoints)."""
     final = temporary.parent / step_dirname(step)
-    if final.exists():
-        _discard(final)
     fsync_dir(temporary)
+    replaced = _to_trash(final) if final.exists() else None
     os.rename(temporary, final)
     fsync_dir(final.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
     return final
+
+
+def newer_than(root: Path, step: int) -> list[int]:
+    """Steps of complete checkpoints after ``step`` (from another run, if this one saves ``step``)."""
+    return [s for s, _ in complete_checkpoints(root) if s > step]
 
 
 def prune(root: Path, keep_last: int | None) -> None:
@@ -114,4 +121,4 @@ def prune(root: Path, keep_last: int | None) -> None:
         return
     found = complete_checkpoints(root)
     for _, path in found[: max(0, len(found) - keep_last)]:
-        _discard(path)
+        shutil.rmtree(_to_trash(path), ignore_errors=True)

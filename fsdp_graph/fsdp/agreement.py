@@ -54,13 +54,17 @@ def agree(what: str, ranks: Sequence[int] | None = None, *, channel: str = "call
         store.wait(keys, wait)
     except RuntimeError:  # DistStoreError on a timeout
         missing = [r for r in ranks if not store.check([f"{base}/{r}"])]
+        # Withdraw: a rank arriving late must wait for this one again, not agree with a call it gave up
+        # on; and this rank's next call is this same agreement (the counters stay in step).
+        store.delete_key(f"{base}/{me}")
+        _sequence[key] = seq
         raise AgreementError(
             f"rank {me}: {what} is a collective call, and rank(s) {missing} did not make it within "
             f"{time.monotonic() - start:.0f} s (of ranks {list(ranks)}). Every rank must make it, at the same point: "
             "look for a call made on one rank only (under `if rank == 0`), a rank that skipped or failed a step, "
             "or a rank that died."
         ) from None
-    values = {r: store.get(k).decode() for r, k in zip(ranks, keys)}
+    values = {r: v.decode() for r, v in zip(ranks, store.multi_get(keys))}  # one round trip
     others = {r: v for r, v in values.items() if v != what}
     if others:
         listed = "; ".join(f"rank {r}: {v}" for r, v in sorted(others.items()))

@@ -128,7 +128,9 @@ class UnitGradients:
             try:
                 reduce_scatter_sum(reduced, grads, self.group)
                 all_reduce(reduced, self.replicate_group)
-            except RuntimeError as err:
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as err:  # gloo: a peer that never joined (timeout) or died
                 raise collective_failed("gradient reduce-scatter", self.name, err) from err
             self._accumulate_sharded(reduced)
             self._run_post_accumulate_hooks()

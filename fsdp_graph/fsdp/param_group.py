@@ -171,7 +171,9 @@ class ParamGroup:
                 self._own_shard.copy_(self.master_flat)
                 try:
                     all_gather_inplace(self._gathered, layout.shard_numel, self.group)
-                except RuntimeError as err:
+                except torch.OutOfMemoryError:
+                    raise
+                except RuntimeError as err:  # gloo: a peer that never joined (timeout) or died
                     raise collective_failed("all-gather", self.name, err) from err
                 layout.copy_out(self._by_rank, self._copy_out_targets)
                 self._unshard_event = streams.record(streams.all_gather)

@@ -38,6 +38,7 @@ def verify_same_weights(unit_name: str, named: list[tuple[str, torch.Tensor]],
     if not named or not groups:
         return
     local = torch.stack([fingerprint(t) for _, t in named])
+    problems = []  # raised after every group's all-gather, so that no rank skips one (HSDP: two groups)
     for group in groups:
         size = dist.get_world_size(group)
         gathered = [torch.empty_like(local) for _ in range(size)]
@@ -47,9 +48,10 @@ def verify_same_weights(unit_name: str, named: list[tuple[str, torch.Tensor]],
             if len(differs):
                 name = named[int(differs[0])][0]
                 more = f" (and {len(differs) - 1} more)" if len(differs) > 1 else ""
-                raise ValueError(
-                    f"fully_shard(verify=True) on {unit_name}: '{name}'{more} differs between "
-                    f"rank {dist.get_rank()} and rank {other_rank}. Every rank must pass the same initial weights: "
-                    "seed the RNG identically on every rank before building the model (torch.manual_seed(seed)), or "
-                    "load the same checkpoint on every rank before fully_shard."
-                )
+                problems.append(f"'{name}'{more} differs between rank {dist.get_rank()} and rank {other_rank}")
+    if problems:
+        raise ValueError(
+            f"fully_shard(verify=True) on {unit_name}: {'; '.join(problems[:3])}. Every rank must pass the same "
+            "initial weights: seed the RNG identically on every rank before building the model "
+            "(torch.manual_seed(seed)), or load the same checkpoint on every rank before fully_shard."
+        )

@@ -85,7 +85,11 @@ class TrainStep:
 
     def run(self, batch: tuple) -> torch.Tensor:
         """One step on ``batch``; returns the (mean micro-batch) loss, detached."""
-        micro = self.micro_batches(batch)
+        try:
+            micro = self.micro_batches(batch)
+        except BaseException as err:
+            self.note_failure(err)
+            raise
         k = len(micro)
         previous_sync = [u.requires_gradient_sync for u in self.units]
         if self.optimizer is None:
@@ -109,13 +113,17 @@ class TrainStep:
                 self.optimizer.zero_grad(set_to_none=True)
         except BaseException as err:
             self.clear_grads()  # no partial gradient may leak into the next step
-            for ctx in root_contexts(self.model):
-                ctx.note_failed_step(err)  # the next step first checks every rank failed it too
+            self.note_failure(err)
             raise
         finally:
             for unit, flag in zip(self.units, previous_sync):
                 unit.requires_gradient_sync = flag
         return total
+
+    def note_failure(self, error: BaseException) -> None:
+        """This rank's step raised: the next step first checks that every rank failed it too."""
+        for ctx in root_contexts(self.model):
+            ctx.note_failed_step(error)
 
     def clear_grads(self) -> None:
         for unit in self.units:
@@ -153,9 +161,13 @@ class GraphedTrainStep:
         self._divide_factors: list | None = None  # each unit's, as captured
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
-        self._check_learning_rates()
-        self._check_divide_factors()
-        self.inputs.copy_in(batch)
+        try:
+            self._check_learning_rates()
+            self._check_divide_factors()
+            self.inputs.copy_in(batch)
+        except BaseException as err:  # (a short last batch on one rank, say)
+            self.body.note_failure(err)
+            raise
         if self.graph is None:
             if self.eager_steps < self.num_warmup_iters:
                 return self._eager_step()
