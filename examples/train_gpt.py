@@ -19,6 +19,7 @@ and trains on its own micro-batches; gradients are averaged by the reduce-scatte
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -261,6 +262,11 @@ def main() -> None:
         config=fsdp_graph.GraphConfig(strategy=args.graph), example_batch=(first_batch := next_batch()),
         grad_accum_steps=args.grad_accum, max_grad_norm=args.grad_clip if args.grad_clip > 0 else None,
     )
+
+    # Long-lived set-up objects out of the collector's sight: a full Python GC scanning them mid-run
+    # costs a host-bound step (layer graphs) several times its median (examples/soak.py measures it).
+    gc.collect()
+    gc.freeze()
 
     is_main = dist.is_main
     if is_main:
