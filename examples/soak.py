@@ -91,15 +91,16 @@ def run(strategy: str, args, info) -> dict:
         sync(info.device)
         before = collections[0]
         start = time.perf_counter()
-        losses.append(step(x, y))
+        loss = step(x, y)
         sync(info.device)
         times.append(time.perf_counter() - start)
+        losses.append(loss.cpu())  # kept off the device: 1,000 losses there would look like growth
         full_gcs.append(collections[0] > before)
         peaks.append(torch.cuda.max_memory_allocated(info.device) if cuda else 0)
         live.append(torch.cuda.memory_allocated(info.device) if cuda else 0)
     gc.callbacks.remove(count_full_gc)
     gc.unfreeze()
-    result = {"losses": torch.stack(losses).cpu(), "times": times, "peaks": peaks, "live": live, "full_gcs": full_gcs}
+    result = {"losses": torch.stack(losses), "times": times, "peaks": peaks, "live": live, "full_gcs": full_gcs}
     step = optimizer = model = None  # free them before the next strategy builds its own
     if cuda:
         torch.cuda.empty_cache()
