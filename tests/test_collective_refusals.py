@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import fsdp_graph
+import fsdp_graph.checkpoint.directory
 from fsdp_graph.fsdp.agreement import AgreementError
 
 from dist_harness import run_ranks
@@ -210,3 +211,17 @@ def _late_rank(info) -> None:
 
 def test_a_rank_arriving_after_another_gave_up_does_not_agree_with_the_withdrawn_call():
     run_ranks(_late_rank, 2, backend="gloo", group_timeout=30, timeout=60)
+
+
+def _save_refused_on_rank0(info, root: str) -> None:
+    model = _model(info)
+    ckpt = fsdp_graph.Checkpointer(root)
+    ckpt.save(6, model)
+    expected = ValueError if info.rank == 0 else RuntimeError  # rank 0 decides; the others hear why
+    with pytest.raises(expected, match=r"already holds checkpoints of later steps \[6\]"):
+        ckpt.save(2, model)
+    assert [step for step, _ in fsdp_graph.checkpoint.directory.complete_checkpoints(ckpt.root)] == [6]
+
+
+def test_a_save_rank_0_refuses_is_refused_on_every_rank_with_its_reason(tmp_path):
+    run_ranks(_save_refused_on_rank0, 2, str(tmp_path), backend="gloo", group_timeout=TIMEOUT_S, timeout=60)

@@ -49,10 +49,11 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def _device_of(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return torch.device(tensor.device.type, tensor.device.index) if tensor.device.index is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if tensor.device.type == "cuda" else tensor.device)
-    return torch.device("cpu")
+    """The device whose CUDA generator this rank saves and restores (CPU for a CPU model)."""
+    device = next(model.parameters(), torch.empty(0)).device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _dcp(fn, state: dict, path: Path) -> None:
@@ -67,27 +68,23 @@ def _dcp(fn, state: dict, path: Path) -> None:
 
 
 def _on_rank0(what: str, fn):
-    """Run ``fn`` on rank 0 and give its result to every rank; an error there is raised everywhere."""
+    """Run ``fn`` on rank 0 and give its result to every rank; an error there is raised everywhere
+    (on rank 0 itself, with its traceback)."""
     result: list[Any] = [None]
+    error = None
     if _rank_and_world()[0] == 0:
         try:
             result[0] = ("ok", fn())
-        except Exception as err:  # reported to every rank, raised here with its traceback
-            result[0] = ("error", f"{type(err).__name__}: {err}")
-            if not _distributed():
-                raise
-            _broadcast(result)
-            raise
+        except Exception as err:
+            error, result[0] = err, ("error", f"{type(err).__name__}: {err}")
     if _distributed():
-        _broadcast(result)
+        dist.broadcast_object_list(result, src=0)
+    if error is not None:
+        raise error
     status, value = result[0]
     if status == "error":
         raise RuntimeError(f"Checkpointer: {what} failed on rank 0: {value}")
     return value
-
-
-def _broadcast(objects: list) -> None:
-    dist.broadcast_object_list(objects, src=0)
 
 
 def _every_rank_ok(what: str, error: BaseException | None) -> None:

@@ -84,12 +84,16 @@ class TrainStep:
         return [tuple(x[i] for x in batch) for i in range(k)]
 
     def run(self, batch: tuple) -> torch.Tensor:
-        """One step on ``batch``; returns the (mean micro-batch) loss, detached."""
+        """One step on ``batch``; returns the (mean micro-batch) loss, detached. If it raises, the
+        next step first checks that every rank failed it too (``RootContext.note_failed_step``)."""
         try:
-            micro = self.micro_batches(batch)
+            return self._run(batch)
         except BaseException as err:
             self.note_failure(err)
             raise
+
+    def _run(self, batch: tuple) -> torch.Tensor:
+        micro = self.micro_batches(batch)
         k = len(micro)
         previous_sync = [u.requires_gradient_sync for u in self.units]
         if self.optimizer is None:
@@ -104,20 +108,17 @@ class TrainStep:
                     loss = loss / k
                 loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
-            for unit, flag in zip(self.units, previous_sync):
-                unit.requires_gradient_sync = flag
-            if self.max_grad_norm is not None:
-                clip_grad_norm_(self.model, self.max_grad_norm)
-            if self.optimizer is not None:
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        except BaseException as err:
+        except BaseException:
             self.clear_grads()  # no partial gradient may leak into the next step
-            self.note_failure(err)
             raise
         finally:
             for unit, flag in zip(self.units, previous_sync):
                 unit.requires_gradient_sync = flag
+        if self.max_grad_norm is not None:
+            clip_grad_norm_(self.model, self.max_grad_norm)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return total
 
     def note_failure(self, error: BaseException) -> None:
