@@ -228,3 +228,34 @@ def test_a_save_into_a_directory_holding_later_steps_is_refused_and_numpy_data_s
     fresh = NumpyPosition()
     assert ckpt.load(model, optimizer, data=fresh) == 6
     assert fresh.epoch == 3 and fresh.rng.random() == data.rng.random()
+
+
+# -- the errors a user can meet ---------------------------------------------------------------------
+def test_checkpointer_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="keep_last must be an int >= 1 or None"):
+        fsdp_graph.Checkpointer(tmp_path, keep_last=0)
+    torch.manual_seed(0)
+    model = shard(TinyLM(n_blocks=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    ckpt = fsdp_graph.Checkpointer(tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"step must be an int >= 0 \(completed steps\)"):
+        ckpt.save(-1, model)
+    ckpt.save(1, model)  # model only: no optimizer, scheduler or data
+    with pytest.raises(ValueError, match="saved without an optimizer; load it with optimizer=None"):
+        ckpt.load(model, optimizer)
+    with pytest.raises(ValueError, match="saved without a scheduler; load it with scheduler=None"):
+        ckpt.load(model, scheduler=scheduler)
+    with pytest.raises(ValueError, match="holds no data position .* load without data="):
+        ckpt.load(model, data=RandomWindows(0))
+    other = shard(TinyLM(n_blocks=1))  # another architecture: blocks.1 has no place in it
+    with pytest.raises(ValueError, match=r"entries the model/optimizer being loaded has no place for .*blocks\.1"):
+        ckpt.load(other)
+    assert ckpt.load(model) == 1
+
+
+def test_verify_on_a_meta_device_model_is_refused_with_the_fix():
+    with torch.device("meta"):
+        model = TinyLM(n_blocks=1)
+    with pytest.raises(ValueError, match=r"on the meta device.*Pass verify=False for a meta-device model"):
+        fsdp_graph.fully_shard(model.blocks[0], verify=True)
