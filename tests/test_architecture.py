@@ -14,8 +14,9 @@ ALLOWED_DOWNWARD = {
     "fsdp_graph.graphs": {"fsdp_graph.fsdp.capture_interface", "fsdp_graph.fsdp.introspect"},
     "fsdp_graph.steps": {"fsdp_graph.fsdp.capture_interface", "fsdp_graph.fsdp.clip_grad"},
     "fsdp_graph.checkpoint": {"fsdp_graph.fsdp.agreement"},
+    "fsdp_graph.hf": {"fsdp_graph.fsdp.fully_shard"},
 }
-LAYERS = ("fsdp_graph.fsdp", "fsdp_graph.graphs", "fsdp_graph.steps", "fsdp_graph.checkpoint")
+LAYERS = ("fsdp_graph.fsdp", "fsdp_graph.graphs", "fsdp_graph.steps", "fsdp_graph.checkpoint", "fsdp_graph.hf")
 
 
 def _modules() -> dict[str, Path]:

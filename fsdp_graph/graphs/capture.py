@@ -76,7 +76,7 @@ def static_copy(x):
     return x.detach().clone().requires_grad_(x.requires_grad)
 
 
-def _input_names(args: tuple, kwargs: dict) -> list[str]:
+def argument_names(args: tuple, kwargs: dict) -> list[str]:
     """'args[0]', "kwargs['mask']", ... for every leaf of (args, kwargs)."""
     names = []
     for path, _ in tree_flatten_with_path((args, kwargs))[0]:
@@ -221,7 +221,7 @@ def captured_call(call: CaptureTarget, fwd: ForwardPass, backward, grad_enabled:
         name=call.name,
         input_spec=fwd.spec,
         input_leaves=fwd.leaves,
-        input_names=_input_names(fwd.args, fwd.kwargs),
+        input_names=argument_names(fwd.args, fwd.kwargs),
         signature=describe_signature(fwd.args, fwd.kwargs),
         positional_tensors_only=not fwd.kwargs and all(isinstance(x, torch.Tensor) for x in fwd.args),
         output_spec=out_spec,
@@ -323,7 +323,7 @@ def _check_arguments(modules: list, sample_args, sample_kwargs, num_warmup_iters
 def _check_devices(calls: list[CaptureTarget]) -> None:
     for call in calls:
         leaves = tree_flatten(call.sample)[0]
-        names = _input_names(*call.sample)
+        names = argument_names(*call.sample)
         for name, x in zip(names, leaves):
             if isinstance(x, torch.Tensor) and x.device.type != "cuda":
                 raise ValueError(f"{call.name}: sample input {name} is on {x.device}; CUDA graphs need CUDA tensors")

@@ -32,6 +32,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from .frozen_arguments import changed_since_capture, same
+
 
 @dataclass
 class CapturedCall:
@@ -148,11 +150,9 @@ class GraphedCallable:
                     "positional and keyword arguments as the sample."
                 )
             for i, frozen in self._constants:
-                if not (flat[i] is frozen or flat[i] == frozen):
+                if not same(flat[i], frozen):
                     raise ValueError(
-                        f"graphed {self.name}: argument {self.captured.input_names[i]} is {flat[i]!r} but was "
-                        f"{frozen!r} at capture. Non-tensor arguments are frozen into the graph; re-capture "
-                        "with the new value, or pass it as a tensor."
+                        changed_since_capture(f"graphed {self.name}", self.captured.input_names[i], flat[i], frozen)
                     )
             tensors = [flat[i] for i in self._tensor_positions]
         grad_matters = torch.is_grad_enabled()

@@ -1,40 +1,59 @@
 """Find host synchronisations in code that is about to be captured, before the capture.
 
 A CUDA graph cannot contain a host sync: ``.item()``, ``.tolist()``, ``print`` of a CUDA
-tensor, a data-dependent shape (``nonzero``, boolean-mask indexing, ``unique``) or an explicit
-``synchronize``. Inside a capture they fail with an opaque CUDA error (or invalidate the
-capture). Warm-up passes therefore run under ``torch.cuda.set_sync_debug_mode("error")``, which
-makes PyTorch raise at the offending operation, and the error is turned into one that names the
-fix. (PyTorch's check covers its own CUDA operations, not ``torch.distributed``: collectives
-never sync anyway.)
+tensor, a data-dependent shape (``nonzero``, boolean-mask indexing, ``unique``), a tensor used
+as a Python ``bool`` (``if mask.all():``) or an explicit ``synchronize``. Inside a capture they
+fail with an opaque CUDA error (or invalidate the capture). Warm-up passes therefore run under
+``torch.cuda.set_sync_debug_mode("error")``, which makes PyTorch raise at the offending
+operation, and the error is turned into one that names the fix and the line that synced: the
+innermost frame of the traceback outside torch itself, so the user's or the library's own code
+(``transformers/masking_utils.py:755``), not torch's printing or dispatch internals. (PyTorch's
+check covers its own CUDA operations, not ``torch.distributed``: collectives never sync anyway.)
 """
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 class HostSyncError(RuntimeError):
     """Code meant for a CUDA graph synchronises with the host."""
 
 
-def host_sync_message(where: str) -> str:
+def syncing_line(err: BaseException) -> str | None:
+    """``file:line in function: source`` of the innermost frame outside torch that led to ``err``."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
+    if not frames:
+        return None
+    frame = frames[-1]
+    source = f": {frame.line.strip()}" if frame.line else ""
+    return f"{frame.filename}:{frame.lineno} in {frame.name}{source}"
+
+
+def host_sync_message(where: str, line: str | None = None) -> str:
+    at = f" at {line}" if line else ""
     return (
-        f"{where} synchronises with the host (.item(), .tolist(), .cpu(), printing a CUDA tensor, "
-        "a data-dependent shape such as nonzero() / boolean-mask indexing / unique(), or "
-        "torch.cuda.synchronize()), which a CUDA graph cannot contain. Keep values on the device "
-        "(return the loss tensor and call .item() after the step; use torch.where instead of "
-        "masking), or leave that code outside the graph: strategy='layer' graphs only the modules "
-        "you select, strategy='none' runs eagerly."
+        f"{where} synchronises with the host{at}. A CUDA graph cannot contain that: .item(), .tolist(), "
+        ".cpu(), a tensor used as a Python bool (if t.all():), printing a CUDA tensor, a data-dependent "
+        "shape such as nonzero() / boolean-mask indexing / unique(), or torch.cuda.synchronize(). Keep "
+        "values on the device (return the loss tensor and call .item() after the step; use torch.where "
+        "instead of masking), or leave that code outside the graph: strategy='layer' graphs only the "
+        "modules you select, strategy='none' runs eagerly. A library that skips the sync under capture "
+        "(it checks torch.cuda.is_current_stream_capturing()) must take that path in eager runs too: "
+        "for HF transformers models, fsdp_graph.hf.take_capture_path(model)."
     )
 
 
 @contextmanager
 def no_host_sync(where: str, enabled: bool = True) -> Iterator[None]:
-    """Raise ``HostSyncError`` naming ``where`` if the body synchronises with the host."""
+    """Raise ``HostSyncError`` naming ``where`` and the syncing line if the body synchronises with the host."""
     if not enabled or not torch.cuda.is_available():
         yield
         return
@@ -44,7 +63,7 @@ def no_host_sync(where: str, enabled: bool = True) -> Iterator[None]:
         yield
     except RuntimeError as err:
         if "synchronizing" in str(err) and not isinstance(err, HostSyncError):
-            raise HostSyncError(host_sync_message(where)) from err
+            raise HostSyncError(host_sync_message(where, syncing_line(err))) from err
         raise
     finally:
         torch.cuda.set_sync_debug_mode(previous)

@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
+import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..fsdp.capture_interface import (
     FSDPUnit,
@@ -40,7 +41,8 @@ from ..fsdp.capture_interface import (
     root_contexts,
     units_in,
 )
-from .capture import capture_callables, require_cuda, static_copy
+from .capture import argument_names, capture_callables, require_cuda, static_copy
+from .frozen_arguments import new_object_each_call, same
 from .graphed_callable import GraphedCallable
 from .reroute import ModuleHooks, hooks_taken_off, seal_submodule_hooks
 
@@ -177,7 +179,24 @@ def _capturable_forward(module: nn.Module, forward_only: bool) -> Iterator[None]
 
 def record_sample_args(modules: list[nn.Module], run: Callable[[], object]) -> list[tuple[tuple, dict]]:
     """The arguments each module receives during ``run()`` (its first call), as detached copies
-    that keep ``requires_grad``: samples for ``graph_modules`` that match the real calls."""
+    that keep ``requires_grad``: samples for ``graph_modules`` that match the real calls.
+
+    ``run`` is called twice, and a non-tensor argument that differs between the two calls (an
+    object built anew on every call, such as HF's KV cache) is refused here, before any capture:
+    the graph would freeze it and no later call could replay (``frozen_arguments.py``)."""
+    calls = [_first_calls(modules, run), _first_calls(modules, run)]
+    missing = [_describe(m, i) for i, (m, s) in enumerate(zip(modules, calls[0])) if s is None]
+    if missing:
+        raise ValueError(
+            f"{missing[0]} was selected for a graph but did not run in the example forward; select modules "
+            "the model runs on every step (or graph it with graph_modules and your own sample arguments)."
+        )
+    for i, (module, first, second) in enumerate(zip(modules, *calls)):
+        _refuse_new_objects(f"graph_modules: {_describe(module, i)}", first, second)
+    return calls[0]
+
+
+def _first_calls(modules: list[nn.Module], run: Callable[[], object]) -> list:
     samples: list = [None] * len(modules)
 
     def recorder(i: int):
@@ -192,13 +211,17 @@ def record_sample_args(modules: list[nn.Module], run: Callable[[], object]) -> l
     finally:
         for handle in handles:
             handle.remove()
-    missing = [_describe(m, i) for i, (m, s) in enumerate(zip(modules, samples)) if s is None]
-    if missing:
-        raise ValueError(
-            f"{missing[0]} was selected for a graph but did not run in the example forward; select modules "
-            "the model runs on every step (or graph it with graph_modules and your own sample arguments)."
-        )
     return samples
+
+
+def _refuse_new_objects(where: str, first: tuple, second: tuple | None) -> None:
+    flat_first, spec_first = tree_flatten(first)
+    flat_second, spec_second = tree_flatten(second)
+    if spec_first != spec_second:
+        return  # a changing signature is refused at replay, with both signatures
+    for name, a, b in zip(argument_names(*first), flat_first, flat_second):
+        if not isinstance(a, torch.Tensor) and not same(a, b):
+            raise ValueError(new_object_each_call(where, name, a, b))
 
 
 def graph_modules(

@@ -77,17 +77,45 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
         _check_whole(model, "strategy='full_iteration'", training=True)
     if forward_only == "model":
         _check_whole(model, "forward_only='model'", training=False)
+    if strategy == "full_iteration" or forward_only == "model":
+        _require_capture_path(model, "a whole-step graph")
     if "layer" in (strategy, forward_only):
         for module in selected_modules(model, config):
             unit = enclosing_unit(module)
             if unit is not None:
                 require_fixed_addresses(unit, f"a graphed {type(module).__name__}")
+            _require_capture_path(module, f"a graphed {type(module).__name__}")
     if not torch.cuda.is_available() or any(u.device.type != "cuda" for u in units_in(model)):
         raise RuntimeError(
             f"GraphConfig(strategy={strategy!r}, forward_only={forward_only!r}) needs CUDA: CUDA graphs do not exist "
             "on CPU. Use GraphConfig() (strategy='none', forward_only='none') to run eagerly there."
         )
     return config
+
+
+# Set by fsdp_graph.hf.take_capture_path on every HF model it makes take HF's capture path.
+CAPTURE_PATH_MARK = "_fsdp_graph_takes_capture_path"
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (checked by name: transformers is not imported here)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(module).__mro__)
+
+
+def _require_capture_path(root: nn.Module, what: str) -> None:
+    """HF models branch on capture (``hf/capture_path.py``): a graph that contains their forward
+    must run on the capture path in eager steps as well, or eager and graphed steps differ."""
+    for name, module in root.named_modules():
+        if is_hf_model(module) and not getattr(module, CAPTURE_PATH_MARK, False):
+            where = f"'{name}' ({type(module).__name__})" if name else type(module).__name__
+            raise ValueError(
+                f"{what} would capture the forward of HF model {where}, whose masking code takes another path "
+                "under CUDA graph capture than in eager steps (eager and graphed losses would differ, and its "
+                "eager host syncs refuse the warm-up). Call fsdp_graph.hf.take_capture_path(model) once before "
+                "building the step (fsdp_graph.hf.shard_model does it), or graph only the decoder layers "
+                "(strategy='layer')."
+            )
 
 
 def selected_modules(model: nn.Module, config: GraphConfig) -> list[nn.Module]:

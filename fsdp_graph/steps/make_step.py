@@ -80,8 +80,11 @@ def make_eval_step(model: nn.Module, *, config: GraphConfig | None = None, examp
 
 
 def _samples(model: nn.Module, modules: list[nn.Module], run: Callable[[], object]) -> list[tuple[tuple, dict]]:
-    """Each module's arguments in one example forward, which is no training step."""
+    """Each module's arguments in the example forwards, which are no training step and leave the
+    random number generators as they found them (dropout in them must not shift the run's RNG)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=devices))
         for ctx in root_contexts(model):
             stack.enter_context(ctx.outside_training_step())
         return record_sample_args(modules, run)
