@@ -174,8 +174,9 @@ def test_host_sync_in_the_step_is_found_by_the_warmup_before_capture():
 
     step = fsdp_graph.make_train_step(loss_fn, model, opt, config=_whole_step(2), example_batch=_cuda_batch())
     step(*_cuda_batch())  # the first warm-up step may initialise lazily: not checked
-    with pytest.raises(fsdp_graph.HostSyncError, match=r"synchronises with the host at \S*test_full_iteration_gpu.py:171 "
-                       r"in loss_fn: if loss.item\(\) > 1e9:"):
+    with pytest.raises(fsdp_graph.HostSyncError,
+                       match=r"synchronises with the host at \S*test_full_iteration_gpu.py:171 in loss_fn: "
+                             r"if loss.item\(\) > 1e9:"):
         step(*_cuda_batch())
     assert step.graph is None
 
