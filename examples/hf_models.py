@@ -56,6 +56,9 @@ def build_hf(arch: str, size: str = "tiny", seed: int = 0, device: torch.device 
 
 
 def hf_batch(vocab: int, batch: int, seq: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Token ids for ``step``, the same on every rank (each rank then takes its own rows)."""
+    """Token ids for ``step``, the same on every rank (each rank then takes its own rows). Learnable:
+    each row counts up by a stride from a random start, so the loss visibly falls within steps."""
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+    start = torch.randint(0, vocab, (batch, 1), generator=g)
+    stride = torch.randint(1, 4, (batch, 1), generator=g)
+    return ((start + stride * torch.arange(seq)) % vocab).to(device)
