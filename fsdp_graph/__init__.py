@@ -18,10 +18,13 @@ The public API (README.md has the full picture; docs/architecture.md the design)
 - ``graph_modules`` / ``select_modules``: graph chosen modules in place;
   ``make_graphed_callables``: the low-level capture with capture-time hooks.
 
+- ``fsdp_graph.hf``: HF transformers models (``shard_model``, ``take_capture_path``; docs/hf.md).
+
 Everything else stays importable from its module (``fsdp_graph.fsdp``: the sharding engine;
 ``fsdp_graph.graphs``: capture and replay; ``fsdp_graph.steps``: the steps).
 """
 
+from . import hf  # fsdp_graph.hf.shard_model / take_capture_path; transformers is imported when they run
 from .checkpoint.checkpointer import Checkpointer
 from .fsdp.clip_grad import clip_grad_norm_
 from .fsdp.distributed import DistInfo, init_distributed
@@ -52,6 +55,7 @@ __all__ = [
     "full_state_dict",
     "fully_shard",
     "graph_modules",
+    "hf",
     "init_distributed",
     "load_full_state_dict",
     "make_eval_step",
