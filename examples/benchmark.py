@@ -1,17 +1,24 @@
 """Benchmark: how much faster is a training step than with FSDP2, at what memory? One run, side by side.
 
     torchrun --nproc-per-node 2 examples/benchmark.py --config small medium --out bench/
+    torchrun --nproc-per-node 2 examples/benchmark.py --model hf-llama --config small medium --out bench/
     torchrun --nproc-per-node 2 examples/benchmark.py --smoke --out /tmp/bench   # CPU/gloo, tiny (CI)
-    python examples/benchmark.py --plot bench/results.json                       # chart elsewhere
+    python examples/benchmark.py --plot bench/results-gpt.json                   # chart elsewhere
 
-Every system trains the same GPT (untied embeddings, examples/gpt.py) from the same seed on the
-same batches with fused AdamW (ours: capturable, learning rate on the device), bf16 compute and
-fp32 gradient reduction:
+Every system trains the same model from the same seed on the same batches with fused AdamW (ours:
+capturable, learning rate on the device), bf16 compute and fp32 gradient reduction. The model
+(--model): ``gpt``, our GPT (untied embeddings, examples/gpt.py), or ``hf-llama``, transformers'
+LlamaForCausalLM built from a config (examples/hf_models.py; its decoder layers are the blocks
+below; use_cache off). HF models branch on CUDA graph capture: ours and the whole-graph systems
+make them take that path in eager runs too (fsdp_graph.hf.take_capture_path: a materialised causal
+mask), fsdp2_eager keeps HF's default (SDPA's is_causal kernels).
 
   fsdp2_eager        torch.distributed.fsdp.fully_shard per block and on the root
   fsdp2_full_graph   the same, forward+backward captured as one CUDA graph, optimizer step outside
-  ours_eager         fsdp_graph.fully_shard per block and on the root
-  ours_layer_graphs  the same, every block graphed with fsdp_graph.graph_modules
+  ours_eager         fsdp_graph.fully_shard per block and on the root (hf-llama:
+                     fsdp_graph.hf.shard_model)
+  ours_layer_graphs  the same, every block graphed: fsdp_graph.make_train_step with
+                     GraphConfig(strategy="layer", modules=<the block class>)
   ours_full_iteration  the same, the whole step (collectives and a capturable AdamW step
                      included) as one graph: fsdp_graph.make_train_step with
                      GraphConfig(strategy="full_iteration")
@@ -20,8 +27,9 @@ fp32 gradient reduction:
 
 A step is forward, backward and optimizer step (floor: forward and backward), timed between two
 device synchronisations; the first --warmup steps are not timed. Each system's losses over all
-steps are compared with ours_eager's. Outputs in --out: results.json (one record per config and
-system), results.md (a table), step_time.png (if matplotlib is installed; else use --plot).
+steps are compared with ours_eager's. Outputs in --out, MODEL being --model: results-MODEL.json
+(one record per config and system), results-MODEL.md (a table), step_time-MODEL.png (if matplotlib
+is installed; else use --plot).
 """
 
 from __future__ import annotations
@@ -42,8 +50,10 @@ sys.path.insert(1, os.path.dirname(_EXAMPLES_DIR))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from hf_models import SIZES, build_hf  # noqa: E402
 
 import fsdp_graph  # noqa: E402
+import fsdp_graph.hf  # noqa: E402
 
 from gpt import CONFIGS, GPT, GPTConfig  # noqa: E402
 from hot_path import HotPathTimer  # noqa: E402
@@ -57,17 +67,35 @@ LR = 3e-4
 
 
 @dataclass(frozen=True)
+class HFModel:
+    """An examples/hf_models.py causal LM, ``build_hf(arch, size)``, trained on ``seq_len`` tokens."""
+    arch: str
+    size: str
+    seq_len: int
+
+    @property
+    def vocab_size(self) -> int:
+        return SIZES[self.size][-1]
+
+
+@dataclass(frozen=True)
 class BenchConfig:
     name: str
-    model: GPTConfig
+    model: GPTConfig | HFModel
     micro_batch: int  # sequences per GPU per step
 
 
-PRESETS = {
+PRESETS = {  # --model gpt
     "small": BenchConfig("small", replace(CONFIGS["small"], tie_embeddings=False), 4),
     "medium": BenchConfig("medium", replace(CONFIGS["medium"], tie_embeddings=False), 4),
     "smoke": BenchConfig("smoke", GPTConfig(256, 64, 4, 2, 64, tie_embeddings=False), 2),
 }
+HF_LLAMA_PRESETS = {  # --model hf-llama: hf_models.py's sizes, the GPT presets' sequences and batches
+    "small": BenchConfig("small", HFModel("llama", "small", 512), 4),
+    "medium": BenchConfig("medium", HFModel("llama", "medium", 1024), 4),
+    "smoke": BenchConfig("smoke", HFModel("llama", "tiny", 64), 2),
+}
+MODELS = {"gpt": PRESETS, "hf-llama": HF_LLAMA_PRESETS}
 
 
 @dataclass
@@ -82,18 +110,55 @@ class Env:
 
 
 # -- model, data, optimizer (identical for every system) ---------------------------------
-def build_model(bench: BenchConfig, env: Env) -> GPT:
+# The only place where GPT and an HF model differ: building, blocks, loss, data, capture path.
+def build_model(bench: BenchConfig, env: Env) -> torch.nn.Module:
+    if isinstance(bench.model, HFModel):
+        model = build_hf(bench.model.arch, bench.model.size, seed=0, device=env.device)
+        model.config.use_cache = False  # training needs no KV cache (per-layer graphs refuse HF's DynamicCache)
+        return model
     torch.manual_seed(0)
     return GPT(bench.model).to(env.device)
 
 
+def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules sharded (and layer-graphed) one unit each: GPT's blocks, HF's decoder layers."""
+    return list(model.blocks) if isinstance(model, GPT) else fsdp_graph.hf.decoder_layers(model)
+
+
+def loss_fn_of(model: torch.nn.Module) -> Callable:
+    """``loss(idx, targets)``; an HF model shifts its labels itself, so its targets are the ids."""
+    if isinstance(model, GPT):
+        return lambda idx, targets: model(idx, targets)[1]
+    return lambda ids, labels: model(input_ids=ids, labels=labels).loss
+
+
+def with_capture_path(model: torch.nn.Module) -> torch.nn.Module:
+    """For a whole-step graph: an HF model must take, in its eager warm-up steps too, the path it
+    takes under capture (fsdp_graph.hf.take_capture_path; forward hooks only, no sharding)."""
+    return model if isinstance(model, GPT) else fsdp_graph.hf.take_capture_path(model)
+
+
+def shard_ours(model: torch.nn.Module, policy: fsdp_graph.MixedPrecision) -> torch.nn.Module:
+    if not isinstance(model, GPT):
+        return fsdp_graph.hf.shard_model(model, mp_policy=policy)  # each decoder layer, the root; capture path
+    for block in model.blocks:
+        fsdp_graph.fully_shard(block, mp_policy=policy)
+    return fsdp_graph.fully_shard(model, mp_policy=policy)
+
+
 def make_batches(bench: BenchConfig, env: Env, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Step i's global batch, this rank's part, already on the device (no copies in the timing)."""
+    """Step i's global batch, this rank's part, already on the device (no copies in the timing).
+    Learnable, so that losses fall and comparing them means something: GPT's target is a function
+    of the token; in an HF model's ids (also its labels) every other token follows from the one before."""
     cfg, out = bench.model, []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         idx = torch.randint(0, cfg.vocab_size, (bench.micro_batch * env.world_size, cfg.seq_len), generator=g)
-        targets = (idx * 7 + 3) % cfg.vocab_size  # learnable: losses fall, so comparing them means something
+        if isinstance(cfg, HFModel):
+            idx[:, 1::2] = (idx[:, :-1:2] * 7 + 3) % cfg.vocab_size
+            targets = idx
+        else:
+            targets = (idx * 7 + 3) % cfg.vocab_size
         out.append((idx.chunk(env.world_size)[env.rank].to(env.device),
                     targets.chunk(env.world_size)[env.rank].to(env.device)))
     return out
@@ -111,8 +176,10 @@ def make_optimizer(model: torch.nn.Module, capturable: bool = False) -> torch.op
 
 
 def train_step(model, opt, set_to_none: bool = True) -> Callable:
+    loss_fn = loss_fn_of(model)
+
     def step(idx, targets):
-        _, loss = model(idx, targets)
+        loss = loss_fn(idx, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
@@ -122,22 +189,19 @@ def train_step(model, opt, set_to_none: bool = True) -> Callable:
 
 
 # -- the systems: each returns step(idx, targets) -> loss ----------------------------------
-def fsdp2_sharded(bench: BenchConfig, env: Env) -> GPT:
+def fsdp2_sharded(bench: BenchConfig, env: Env) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build_model(bench, env)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
+    for block in blocks_of(model):
         fully_shard(block, mp_policy=policy)
     return fully_shard(model, mp_policy=policy)
 
 
-def ours_sharded(bench: BenchConfig, env: Env) -> GPT:
-    model = build_model(bench, env)
+def ours_sharded(bench: BenchConfig, env: Env) -> torch.nn.Module:
     policy = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fsdp_graph.fully_shard(block, mp_policy=policy)
-    return fsdp_graph.fully_shard(model, mp_policy=policy)
+    return shard_ours(build_model(bench, env), policy)
 
 
 def fsdp2_eager(bench, env, batches, warmup):
@@ -151,11 +215,13 @@ def ours_eager(bench, env, batches, warmup):
 
 
 def ours_layer_graphs(bench, env, batches, warmup):
+    """Every block graphed (captured now, from an example forward on the first batch)."""
     model = ours_sharded(bench, env)
-    cfg = bench.model
-    sample = torch.randn(bench.micro_batch, cfg.seq_len, cfg.d_model, device=env.device, requires_grad=True)
-    fsdp_graph.graph_modules(list(model.blocks), [(sample,)] * len(model.blocks))
-    return train_step(model, make_optimizer(model, capturable=True)), None
+    block_class = type(blocks_of(model)[0])  # FSDP<Block>, which every sharded block is
+    config = fsdp_graph.GraphConfig(strategy="layer", modules=block_class)
+    step = fsdp_graph.make_train_step(loss_fn_of(model), model, make_optimizer(model, capturable=True),
+                                      config=config, example_batch=batches[0])
+    return step, None
 
 
 def ours_full_iteration(bench, env, batches, warmup):
@@ -163,8 +229,7 @@ def ours_full_iteration(bench, env, batches, warmup):
     model = ours_sharded(bench, env)
     opt = make_optimizer(model, capturable=True)
     config = fsdp_graph.GraphConfig(strategy="full_iteration", num_warmup_iters=warmup)
-    step = fsdp_graph.make_train_step(lambda idx, targets: model(idx, targets)[1], model, opt, config=config,
-                                      example_batch=batches[0])
+    step = fsdp_graph.make_train_step(loss_fn_of(model), model, opt, config=config, example_batch=batches[0])
     step.optimizer_ms = lambda: optimizer_step_ms(opt)
     return step, None
 
@@ -217,8 +282,10 @@ def whole_graph_step(forward_backward: Callable, batches, warmup: int, eager_ste
 
 
 def forward_backward_of(model) -> Callable:
+    loss_fn = loss_fn_of(model)
+
     def forward_backward(idx, targets):
-        _, loss = model(idx, targets)
+        loss = loss_fn(idx, targets)
         loss.backward()
         return loss
 
@@ -226,7 +293,7 @@ def forward_backward_of(model) -> Callable:
 
 
 def fsdp2_full_graph(bench, env, batches, warmup):
-    model = fsdp2_sharded(bench, env)
+    model = with_capture_path(fsdp2_sharded(bench, env))
     opt = make_optimizer(model)
 
     def after():
@@ -238,7 +305,7 @@ def fsdp2_full_graph(bench, env, batches, warmup):
 
 
 def floor(bench, env, batches, warmup):
-    model = build_model(bench, env).to(torch.bfloat16)
+    model = with_capture_path(build_model(bench, env)).to(torch.bfloat16)
     forward_backward = forward_backward_of(model)
     step, _ = whole_graph_step(forward_backward, batches, warmup, forward_backward, lambda: None)
     return step, None  # no optimizer: its losses are not comparable
@@ -249,8 +316,10 @@ BUILDERS = {name: globals()[name] for name in SYSTEMS}
 
 # -- measuring ------------------------------------------------------------------------------
 def param_count(bench: BenchConfig) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in GPT(bench.model).parameters())
+    """The model's parameters (built on the meta device: shapes only)."""
+    meta = torch.device("meta")
+    with meta:
+        return sum(p.numel() for p in build_model(bench, Env(0, 1, meta)).parameters())
 
 
 def synchronize(env: Env) -> None:
@@ -298,13 +367,15 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
         timer.stop()
     step_ms = max_over_ranks(statistics.median(times) * 1e3, env)
     tokens = bench.micro_batch * bench.model.seq_len * env.world_size
+    params = param_count(bench)
     record = {
         "config": bench.name,
         "system": system,
         "world_size": env.world_size,
         "device": torch.cuda.get_device_name() if env.cuda else "cpu",
         "torch": torch.__version__,
-        "params_m": round(param_count(bench) / 1e6, 1),
+        "params": params,
+        "params_m": round(params / 1e6, 1),
         "micro_batch": bench.micro_batch,
         "warmup_steps": warmup,
         "timed_steps": steps,
@@ -372,11 +443,17 @@ def add_ratios(records: list[dict]) -> None:
 
 
 # -- reporting ------------------------------------------------------------------------------
+def model_of(records: list[dict]) -> str:
+    return records[0].get("model", "gpt")  # (results from before --model: GPT)
+
+
 def markdown(records: list[dict]) -> str:
     def f(value, fmt):
         return "–" if value is None else format(value, fmt)
 
+    params = {r["config"]: r["params_m"] for r in records if "params_m" in r}
     lines = [
+        f"Model: {model_of(records)} ({', '.join(f'{c} {m}M' for c, m in params.items())} parameters)", "",
         "| config | system | step ms (median, min–max) | host ms | tokens/s | peak GiB | × fsdp2_eager "
         "| × fsdp2_full_graph | × floor | losses vs ours_eager |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -440,7 +517,7 @@ def plot(records: list[dict], path: str) -> bool:
                      [r["step_ms_max"] - r["step_ms_median"] for r in rows]],
                color=["#888" if r["system"].startswith("fsdp2")
                       else "#2a7" if r["system"].startswith("ours") else "#ccc" for r in rows])
-        ax.set_title(f"{config} ({rows[0]['world_size']} x {rows[0]['device']})", fontsize=9)
+        ax.set_title(f"{model_of(rows)} {config} ({rows[0]['world_size']} x {rows[0]['device']})", fontsize=9)
         ax.set_ylabel("step time, ms (median; bars: min–max)")
         ax.tick_params(axis="x", rotation=30, labelsize=8)
     fig.tight_layout()
@@ -451,8 +528,10 @@ def plot(records: list[dict], path: str) -> bool:
 # -- main ---------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt", choices=sorted(MODELS),
+                   help="our GPT (examples/gpt.py) or transformers' LlamaForCausalLM (examples/hf_models.py)")
     p.add_argument("--config", nargs="+", default=["small"],
-                   help="presets (small, medium) or custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
+                   help="presets (small, medium) or, for gpt, custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="timed steps per system")
@@ -471,13 +550,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def bench_config(text: str) -> BenchConfig:
-    if text in PRESETS:
-        return PRESETS[text]
-    if text.startswith("custom:"):
+def bench_config(text: str, model: str = "gpt") -> BenchConfig:
+    if text in MODELS[model]:
+        return MODELS[model][text]
+    if text.startswith("custom:") and model == "gpt":
         vocab, d, heads, layers, seq, mb = (int(v) for v in text[len("custom:"):].split(","))
         return BenchConfig(text, GPTConfig(vocab, d, heads, layers, seq, tie_embeddings=False), mb)
-    raise SystemExit(f"unknown config {text!r}: use {sorted(PRESETS)} or custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
+    custom = " or custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH" if model == "gpt" else ""
+    raise SystemExit(f"unknown config {text!r} for --model {model}: use {sorted(MODELS[model])}{custom}")
 
 
 def main(argv=None) -> None:
@@ -485,7 +565,7 @@ def main(argv=None) -> None:
     if args.plot:
         with open(args.plot) as fh:
             records = json.load(fh)
-        path = os.path.join(os.path.dirname(args.plot) or ".", "step_time.png")
+        path = os.path.join(os.path.dirname(args.plot) or ".", f"step_time-{model_of(records)}.png")
         if plot(records, path):
             print(f"wrote {path}")
         return
@@ -495,27 +575,29 @@ def main(argv=None) -> None:
     env = Env(info.rank, info.world_size, info.device)
     records = []
     for config in args.config:
-        bench = bench_config(config)
+        bench = bench_config(config, args.model)
         for system in args.systems:
             if system in GRAPH_SYSTEMS and not env.cuda:
-                records.append({"config": bench.name, "system": system, "skipped": "CUDA graphs need a GPU"})
+                records.append({"model": args.model, "config": bench.name, "system": system,
+                                "skipped": "CUDA graphs need a GPU"})
                 continue
             if info.is_main:
-                print(f"[{bench.name}] {system} ...", flush=True)
-            records.append(measure(system, bench, env, args.warmup, args.steps, args.hot_path, args.profile))
+                print(f"[{args.model} {bench.name}] {system} ...", flush=True)
+            record = measure(system, bench, env, args.warmup, args.steps, args.hot_path, args.profile)
+            records.append({"model": args.model, **record})
             if env.world_size > 1:
                 dist.barrier()
     compare_losses(records)
     add_ratios(records)
     if info.is_main:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as fh:
+        with open(os.path.join(args.out, f"results-{args.model}.json"), "w") as fh:
             json.dump(records, fh, indent=1)
         table = markdown(records)
-        with open(os.path.join(args.out, "results.md"), "w") as fh:
+        with open(os.path.join(args.out, f"results-{args.model}.md"), "w") as fh:
             fh.write(table)
         print(table)
-        plot(records, os.path.join(args.out, "step_time.png"))
+        plot(records, os.path.join(args.out, f"step_time-{args.model}.png"))
     differing = ours_not_bitwise(records) if args.deterministic else []
     if differing and info.is_main:
         print(f"deterministic mode: losses differ from ours_eager's for {', '.join(differing)}: a bug")

@@ -5,26 +5,31 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = {"fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_full_iteration", "floor"}
+
+
+def run_smoke(out: Path, *args: str) -> dict[str, dict]:
+    """``benchmark.py --smoke --deterministic`` on 2 ranks; its records by system."""
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "examples" / "benchmark.py"), "--smoke", "--deterministic", "--out", str(out), *args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    model = args[args.index("--model") + 1] if "--model" in args else "gpt"
+    records = {r["system"]: r for r in json.loads((out / f"results-{model}.json").read_text())}
+    assert set(records) == SYSTEMS and all(r["model"] == model for r in records.values())
+    return records
 
 
 def test_benchmark_smoke_run_writes_records_table_and_chart(tmp_path):
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "examples" / "benchmark.py"), "--smoke", "--hot-path", "--deterministic",
-           "--out", str(tmp_path)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-    records = {r["system"]: r for r in json.loads((tmp_path / "results.json").read_text())}
-    assert set(records) == {
-        "fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_full_iteration", "floor"
-    }
+    records = run_smoke(tmp_path, "--hot-path")
     measured = [r for r in records.values() if not r.get("skipped")]
     assert {"fsdp2_eager", "ours_eager"} <= {r["system"] for r in measured}
     for r in measured:
@@ -35,10 +40,27 @@ def test_benchmark_smoke_run_writes_records_table_and_chart(tmp_path):
             assert len(r["losses"]) == 4 and r["losses_match_ours"], r
     assert records["ours_eager"]["losses_bitwise_equal_ours"]
     assert "unit.pre_forward (unshard, prefetch)" in records["ours_eager"]["hot_path_us"]
-    table = (tmp_path / "results.md").read_text()
+    table = (tmp_path / "results-gpt.md").read_text()
     assert "| smoke | fsdp2_eager |" in table and "| smoke | ours_eager |" in table
     if importlib.util.find_spec("matplotlib") is not None:
-        assert (tmp_path / "step_time.png").stat().st_size > 1000
+        assert (tmp_path / "step_time-gpt.png").stat().st_size > 1000
+
+
+def test_benchmark_smoke_run_on_an_hf_llama(tmp_path):
+    """``--model hf-llama``: transformers' LlamaForCausalLM (tiny) through the same systems; on CPU
+    the eager ones run (FSDP2 on HF's default path, ours on its capture path: close, not bitwise)."""
+    records = run_smoke(tmp_path, "--model", "hf-llama")
+    measured = {name for name, r in records.items() if not r.get("skipped")}
+    assert {"fsdp2_eager", "ours_eager"} <= measured
+    for name in measured - {"floor"}:
+        r = records[name]
+        # hf_models.py's tiny Llama: untied embedding and head 2 x 256 x 64, per layer q, k, v, o
+        # 64 x (64 + 32 + 32 + 64), MLP 3 x 64 x 160 and two norms 2 x 64, two layers, final norm 64
+        assert r["params"] == 2 * 256 * 64 + 2 * (64 * 192 + 3 * 64 * 160 + 128) + 64, r
+        assert r["world_size"] == 2 and r["timed_steps"] == 3, r
+        assert len(r["losses"]) == 4 and all(math.isfinite(x) for x in r["losses"]), r
+        assert r["losses_match_ours"], r
+    assert "| smoke | ours_eager |" in (tmp_path / "results-hf-llama.md").read_text()
 
 
 def test_host_call_counter_counts_the_hot_path():
