@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -58,7 +59,9 @@ def no_host_sync(where: str, enabled: bool = True) -> Iterator[None]:
         yield
         return
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # torch warns, once per process, that the debug mode is a prototype
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     except RuntimeError as err:
