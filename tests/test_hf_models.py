@@ -76,7 +76,9 @@ def _against_fsdp2(info, arch: str) -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{arch} capture_path={capture_path} step {s}: {m}")
         for name, w in theirs_weights.items():
-            torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6,
+            # atol: AdamW turns a gradient that is rounding noise into a step of up to lr (GPT-2's key
+            # bias: softmax ignores it, so its exact gradient is 0); 3 steps at lr 1e-2 drift ~1e-5.
+            torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-4,
                                        msg=lambda m: f"{arch} capture_path={capture_path} {name}: {m}")
 
 
