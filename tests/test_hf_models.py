@@ -136,39 +136,58 @@ def _layer_masks(model, **inputs) -> list:
 
 
 def test_the_capture_path_holds_only_during_the_models_forward():
+    """Only inside the forward of a model passed to take_capture_path, also after a forward that
+    ended in an exception or a KeyboardInterrupt (a hook raising before the forward, or inside it);
+    a model not passed to it keeps HF's own path."""
     from transformers.utils import import_utils
 
-    model = hf.take_capture_path(build_hf("llama"))
+    model, other = hf.take_capture_path(build_hf("llama")), build_hf("llama")
     inside = []
-    model.model.layers[0].register_forward_pre_hook(lambda m, a: inside.append(import_utils.is_tracing()))
+    for m in (model, other):
+        m.model.layers[0].register_forward_pre_hook(lambda m, a: inside.append(import_utils.is_tracing()))
     ids = hf_batch(model.config.vocab_size, 2, SEQ, 0)
     model(input_ids=ids)
-    assert inside == [True] and not import_utils.is_tracing()
-    with pytest.raises(RuntimeError, match="boom"):  # an exception leaves no capture path behind
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: (_ for _ in ()).throw(RuntimeError("boom")),
-                                                      lambda t: t):
-            model(input_ids=ids, labels=ids)
-    assert not import_utils.is_tracing()
+    other(input_ids=ids)
+    assert inside == [True, False] and not import_utils.is_tracing()
+    for error in (RuntimeError("boom"), KeyboardInterrupt()):
+        for where in (model, model.model.layers[1]):
+            handle = where.register_forward_pre_hook(lambda m, a, error=error: (_ for _ in ()).throw(error),
+                                                     prepend=True)
+            with pytest.raises(type(error)):
+                model(input_ids=ids)
+            handle.remove()
+    inside.clear()
+    other(input_ids=ids)
+    model(input_ids=ids)
+    assert inside == [False, True] and not import_utils.is_tracing()
 
 
 @pytest.mark.parametrize("batch", ["plain", "padded", "packed"])
 def test_the_capture_path_builds_the_mask_from_shapes_and_computes_the_same(batch):
     """HF's eager path reads the batch on the host and skips the mask when it can (SDPA's
     is_causal); the capture path always builds it, also for padding and packed sequences: the
-    same logits to fp32 rounding, and no host read that a graph could not contain."""
+    same logits to fp32 rounding, and no host read that a graph could not contain. (No KV cache:
+    HF looks for packed sequences only without one.)"""
     eager, captured = build_hf("llama"), hf.take_capture_path(build_hf("llama"))
+    for model in (eager, captured):
+        model.config.use_cache = False
     ids = hf_batch(eager.config.vocab_size, 2, SEQ, 0)
     inputs = {"input_ids": ids}
     if batch == "padded":
         inputs["attention_mask"] = torch.ones_like(ids).index_fill_(1, torch.arange(SEQ - 4, SEQ), 0)
-    if batch == "packed":
+    if batch == "packed":  # two sequences in each row: positions restart at token 6
         inputs["position_ids"] = torch.cat([torch.arange(6), torch.arange(SEQ - 6)]).expand(2, -1)
     eager_masks, eager_out = _layer_masks(eager, **inputs)
     captured_masks, captured_out = _layer_masks(captured, **inputs)
     if batch == "plain":
         assert eager_masks == [None]  # SDPA's is_causal fast path, chosen after reading the batch
-    assert isinstance(captured_masks[0], torch.Tensor) and captured_masks[0].dtype == torch.bool
+    mask = captured_masks[0]
+    assert isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
     torch.testing.assert_close(captured_out.logits, eager_out.logits, rtol=1e-5, atol=1e-5)
+    if batch == "packed":  # the second sequence sees nothing of the first: as if it ran alone
+        assert not mask[..., 6:, :6].any() and mask[..., 6:, 6:].any()
+        alone = captured(input_ids=ids[:, 6:]).logits
+        torch.testing.assert_close(captured_out.logits[:, 6:], alone, rtol=1e-5, atol=1e-5)
 
 
 # -- refusals that name the fix ---------------------------------------------------------------
@@ -201,8 +220,9 @@ def test_hf_default_kv_cache_is_refused_before_capture_with_use_cache_false():
     model = build_hf("mistral")
     layers = list(model.model.layers)
     ids = hf_batch(model.config.vocab_size, 2, SEQ, 0)
-    with pytest.raises(ValueError, match=r"module 0 \(MistralDecoderLayer\): argument kwargs\['past_key_values'\] is "
-                                         r"a transformers.cache_utils.DynamicCache, a new object on each call.*"
+    with pytest.raises(ValueError, match=r"graphing module 0 \(MistralDecoderLayer\): argument "
+                                         r"kwargs\['past_key_values'\] is a transformers.cache_utils.DynamicCache, "
+                                         r"a new object on each call.*"
                                          r"model.config.use_cache = False"):
         record_sample_args(layers, lambda: model(input_ids=ids))
     model.config.use_cache = False

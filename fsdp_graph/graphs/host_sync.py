@@ -46,10 +46,15 @@ def host_sync_message(where: str, line: str | None = None) -> str:
         "shape such as nonzero() / boolean-mask indexing / unique(), or torch.cuda.synchronize(). Keep "
         "values on the device (return the loss tensor and call .item() after the step; use torch.where "
         "instead of masking), or leave that code outside the graph: strategy='layer' graphs only the "
-        "modules you select, strategy='none' runs eagerly. A library that skips the sync under capture "
-        "(it checks torch.cuda.is_current_stream_capturing()) must take that path in eager runs too: "
-        "for HF transformers models, fsdp_graph.hf.take_capture_path(model)."
+        "modules you select, strategy='none' runs eagerly."
+        + (_HF_HINT if line and f"{os.sep}transformers{os.sep}" in line else "")
     )
+
+
+_HF_HINT = (
+    " This line is in transformers, which skips such reads under capture: make the model take that path in "
+    "eager steps too, fsdp_graph.hf.take_capture_path(model) (fsdp_graph.hf.shard_model does it)."
+)
 
 
 @contextmanager

@@ -192,7 +192,7 @@ def record_sample_args(modules: list[nn.Module], run: Callable[[], object]) -> l
             "the model runs on every step (or graph it with graph_modules and your own sample arguments)."
         )
     for i, (module, first, second) in enumerate(zip(modules, *calls)):
-        _refuse_new_objects(f"graph_modules: {_describe(module, i)}", first, second)
+        _refuse_new_objects(f"graphing {_describe(module, i)}", first, second)
     return calls[0]
 
 

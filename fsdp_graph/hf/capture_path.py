@@ -16,33 +16,57 @@ cannot use its flash kernel (measured in the benchmark, ``--model hf-llama``).
 
 Mechanism: ``is_tracing`` looks at capture through one function,
 ``transformers.utils.import_utils.is_cuda_stream_capturing``. It is replaced, once, by one that
-answers True while the forward of a model passed to ``take_capture_path`` runs and defers to torch
-otherwise; forward pre-hooks and always-called forward hooks on every ``PreTrainedModel`` in the
-model count the nesting. ``make_train_step`` / ``make_eval_step`` refuse, before any capture, a
-graph that would run an HF model without it (``steps/graph_config.py``).
+answers True while the ``forward`` of a model passed to ``take_capture_path`` is running in this
+thread (its frame is on the Python stack, with that model as ``self``), and defers to torch
+otherwise. Nothing is counted, so nothing can be left over: an exception, a KeyboardInterrupt, a
+failed capture or a hook that raises cannot leave HF on the wrong path, and the model carries no
+hooks (graphing a module that contains it works as before). HF models not passed to
+``take_capture_path`` keep HF's own behaviour. ``make_train_step`` / ``make_eval_step`` refuse,
+before any capture, a graph that would run an HF model without it (``steps/graph_config.py``).
 """
 
 from __future__ import annotations
 
-import threading
+import inspect
+import sys
 
 import torch.nn as nn
 
 from ..steps.graph_config import CAPTURE_PATH_MARK, is_hf_model
 
-_state = threading.local()
+_forward_codes: set = set()  # the code of every marked model class's forward (unwrapped from HF's decorators)
 
 
-def _depth() -> int:
-    return getattr(_state, "depth", 0)
+def _in_marked_forward() -> bool:
+    """Whether a marked model's forward is on this thread's Python stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _forward_codes and getattr(frame.f_locals.get("self"), CAPTURE_PATH_MARK, False):
+            return True
+        frame = frame.f_back
+    return False
 
 
-def _enter(module, args, kwargs) -> None:
-    _state.depth = _depth() + 1
+class _Probe:
+    """A stand-in marked model: is_tracing() must say True inside its forward."""
+
+    def forward(self, import_utils) -> bool:
+        return import_utils.is_tracing()
 
 
-def _leave(module, args, kwargs, output) -> None:
-    _state.depth = _depth() - 1
+setattr(_Probe, CAPTURE_PATH_MARK, True)
+
+
+def _self_test(import_utils) -> bool:
+    """transformers' is_tracing() follows the replaced probe inside a marked forward."""
+    code = _Probe.forward.__code__
+    added = code not in _forward_codes
+    _forward_codes.add(code)
+    try:
+        return _Probe().forward(import_utils) is True
+    finally:
+        if added:
+            _forward_codes.discard(code)
 
 
 def _install() -> None:
@@ -61,16 +85,11 @@ def _install() -> None:
         return
 
     def is_cuda_stream_capturing() -> bool:
-        return _depth() > 0 or probe()
+        return (bool(_forward_codes) and _in_marked_forward()) or probe()
 
     is_cuda_stream_capturing._fsdp_graph = True
     import_utils.is_cuda_stream_capturing = is_cuda_stream_capturing
-    _state.depth = _depth() + 1
-    try:
-        follows = import_utils.is_tracing()
-    finally:
-        _state.depth = _depth() - 1
-    if not follows:
+    if not _self_test(import_utils):
         import_utils.is_cuda_stream_capturing = probe
         raise RuntimeError(
             f"fsdp_graph.hf.take_capture_path: transformers {transformers.__version__}'s is_tracing() does not "
@@ -94,8 +113,6 @@ def take_capture_path(model: nn.Module) -> nn.Module:
         )
     _install()
     for module in hf_models:
-        if not getattr(module, CAPTURE_PATH_MARK, False):
-            module.register_forward_pre_hook(_enter, with_kwargs=True)
-            module.register_forward_hook(_leave, with_kwargs=True, always_call=True)
-            setattr(module, CAPTURE_PATH_MARK, True)
+        _forward_codes.add(inspect.unwrap(type(module).forward).__code__)
+        setattr(module, CAPTURE_PATH_MARK, True)
     return model

@@ -59,7 +59,7 @@ def shard_model(
 
     ``capture_path=True`` also calls ``take_capture_path(model)``, so eager and graphed steps run
     the same kernels (required by whole-step graphs; see ``capture_path.py`` for the cost).
-    ``False`` keeps HF's eager shortcuts, bitwise equal to FSDP2 eager, for eager or per-layer runs.
+    ``False`` keeps HF's eager shortcuts (FSDP2's kernels) for eager runs and per-layer graphs of decoder layers.
     """
     for layer in reversed(decoder_layers(model, layer_classes)):
         fully_shard(layer, **fully_shard_kwargs)

@@ -77,8 +77,10 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
         _check_whole(model, "strategy='full_iteration'", training=True)
     if forward_only == "model":
         _check_whole(model, "forward_only='model'", training=False)
-    if strategy == "full_iteration" or forward_only == "model":
-        _require_capture_path(model, "a whole-step graph")
+    if strategy == "full_iteration":
+        _require_capture_path(model, "strategy='full_iteration'")
+    if forward_only == "model":
+        _require_capture_path(model, "forward_only='model'")
     if "layer" in (strategy, forward_only):
         for module in selected_modules(model, config):
             unit = enclosing_unit(module)

@@ -81,7 +81,8 @@ def make_eval_step(model: nn.Module, *, config: GraphConfig | None = None, examp
 
 def _samples(model: nn.Module, modules: list[nn.Module], run: Callable[[], object]) -> list[tuple[tuple, dict]]:
     """Each module's arguments in the example forwards, which are no training step and leave the
-    random number generators as they found them (dropout in them must not shift the run's RNG)."""
+    random number generators as they found them (the warm-ups and the capture that follow do
+    draw from them, as before)."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=devices))
