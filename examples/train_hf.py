@@ -57,6 +57,7 @@ import torch
 import torch.distributed
 from hf_models import ARCHS, SIZES, build_hf, hf_batch
 from tqdm import tqdm
+from train_gpt import mean_over_ranks, synchronize  # the GPT example's helpers
 
 import fsdp_graph.hf
 
@@ -131,20 +132,6 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
         return args.lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, args.steps - warmup)
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
-
-
-def mean_over_ranks(value: torch.Tensor) -> float:
-    """A scalar averaged over the ranks (a collective: every rank calls it)."""
-    if torch.distributed.is_initialized():
-        value = value.detach().clone()
-        torch.distributed.all_reduce(value)
-        value /= torch.distributed.get_world_size()
-    return value.item()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:
