@@ -241,3 +241,23 @@ def test_a_host_sync_names_the_line_outside_torch_that_made_it():
     except (RuntimeError, ValueError) as err:
         line = syncing_line(err)
     assert line is not None and "test_hf_models.py" in line and "in user_code: return torch.nn.functional" in line
+
+
+def test_a_transformers_that_asks_about_capture_another_way_is_refused(monkeypatch):
+    """take_capture_path relies on transformers asking through import_utils.is_cuda_stream_capturing;
+    a version without it, or whose is_tracing() does not follow it, is refused, naming the version."""
+    from transformers.utils import import_utils
+
+    monkeypatch.delattr(import_utils, "is_cuda_stream_capturing")
+    with pytest.raises(RuntimeError, match=r"has no utils.import_utils.is_cuda_stream_capturing.*transformers>=5.17"):
+        hf.take_capture_path(build_hf("llama"))
+    monkeypatch.setattr(import_utils, "is_cuda_stream_capturing", lambda: False, raising=False)
+    monkeypatch.setattr(import_utils, "is_tracing", lambda tensor=None: False)
+    with pytest.raises(RuntimeError, match=r"is_tracing\(\) does not consult is_cuda_stream_capturing"):
+        hf.take_capture_path(build_hf("llama"))
+    assert not getattr(import_utils.is_cuda_stream_capturing, "_fsdp_graph", False)  # put back as found
+
+
+def test_shard_model_refuses_layer_classes_that_are_not_classes_or_names():
+    with pytest.raises(TypeError, match="layer_classes is a list of module classes or class names"):
+        hf.shard_model(build_hf("llama"), [3])
