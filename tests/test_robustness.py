@@ -13,7 +13,16 @@ import fsdp_graph
 from fsdp_graph.fsdp.registry import units_in
 
 from dist_harness import run_ranks
-from models import assert_full_state_matches, build, global_batch, lm_loss, sgd_pair, shard, train_beside_reference
+from models import (
+    assert_full_state_matches,
+    build,
+    global_batch,
+    lm_loss,
+    local_part,
+    sgd_pair,
+    shard,
+    train_beside_reference,
+)
 
 CPU = torch.device("cpu")
 
@@ -187,3 +196,33 @@ def test_lazy_init_that_failed_is_tried_again(monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         lm_loss(model, idx, targets)
     train_beside_reference(model, ref)
+
+
+def _dropped_models_are_freed(info) -> None:
+    """A script that builds, trains and drops models in one process (a sweep, a test suite) gets
+    their memory back: nothing of the package keeps a sharded model alive."""
+    import functools
+    import gc
+    import weakref
+
+    cuda = info.device.type == "cuda"
+    for strategy in ("none", "layer", "full_iteration") if cuda else ("none",):
+        model, _ = build(info.device)
+        shard(model)
+        lr = torch.tensor(1e-3, device=info.device) if cuda else 1e-3
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=cuda)
+        modules = type(model.blocks[0]) if strategy == "layer" else None
+        config = fsdp_graph.GraphConfig(strategy=strategy, modules=modules, num_warmup_iters=2)
+        batch = tuple(local_part(t, info.rank, info.world_size) for t in global_batch(0, info.world_size, info.device))
+        step = fsdp_graph.make_train_step(functools.partial(lm_loss, model), model, opt, config=config,
+                                          example_batch=batch)
+        for _ in range(4):
+            step(*batch)
+        alive = [weakref.ref(model), weakref.ref(opt), weakref.ref(next(model.parameters()))]
+        del model, opt, step
+        gc.collect()
+        assert all(ref() is None for ref in alive), f"strategy {strategy}: a dropped sharded model is still alive"
+
+
+def test_a_dropped_model_is_freed():
+    run_ranks(_dropped_models_are_freed, 2)

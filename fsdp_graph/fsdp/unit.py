@@ -16,6 +16,7 @@ boundaries); a step called on the unit before its root's lazy init says so.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -260,7 +261,7 @@ class FSDPUnit:
         """Hook every trainable unsharded parameter (again after requires_grad changes)."""
         for i in self.grads.trainable:
             if i not in self._grad_hooked:
-                self.params[i].unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+                self.params[i].unsharded.register_post_accumulate_grad_hook(_weakly(self._on_grad_accumulated))
                 self._grad_hooked.add(i)
         self._grad_hooks_current = True
 
@@ -308,3 +309,17 @@ class FSDPUnit:
     def __repr__(self) -> str:
         numel = self.param_group.layout.numel
         return f"FSDPUnit({self.name}, params={len(self.params)}, numel={numel}, state={self.state.value})"
+
+
+def _weakly(method):
+    """``method`` as a tensor hook that does not keep its object alive. A hook registered on a tensor
+    is held from C++, where the garbage collector cannot see it: a bound method there would keep the
+    unit, and through it the whole model, alive after the user dropped them."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return hook
