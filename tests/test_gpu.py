@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import fsdp_graph
-from fsdp_graph.fsdp.introspect import watch_steps
+from fsdp_graph.fsdp.capture_interface import leaf_units
+from fsdp_graph.fsdp.introspect import sharded_grad_bytes, unit_buffers, watch_steps
+from fsdp_graph.fsdp.registry import unit_of
 
 from dist_harness import run_ranks
 from models import build, local_loss, shard
@@ -20,7 +22,11 @@ STEPS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "end_ba
 TRANSIENT_LIMIT = 4096  # bytes: the copy-out / copy-in kernels' pointer tables, nothing buffer-sized
 
 
-def _steady_state_allocations(info, mp_policy) -> None:
+def _rounded(nbytes: int) -> int:
+    return -(-nbytes // 512) * 512  # the caching allocator's block sizes
+
+
+def _steady_state_allocations(info, mp_policy, set_to_none) -> None:
     model, _ = build(info.device, d=64, hidden=256, n_blocks=4, big_block=3)
     shard(model, mp_policy=mp_policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -34,11 +40,16 @@ def _steady_state_allocations(info, mp_policy) -> None:
 
     def after(step, unit):
         start = started.pop()
-        counts[step] = counts.get(step, 0) + torch.cuda.memory_allocated() - start
-        transient[step] = max(transient.get(step, 0), torch.cuda.max_memory_allocated() - start)
+        kept = torch.cuda.memory_allocated() - start
+        counts[step] = counts.get(step, 0) + kept
+        own = unit_buffers(unit).own_staging_bytes  # a unit larger than the shared staging stages on its own
+        excess = torch.cuda.max_memory_allocated() - start - max(kept, 0) - _rounded(own)
+        transient[step] = max(transient.get(step, 0), excess)
 
+    units = leaf_units(model) + [unit_of(model)]
+    counted = 3
     with watch_steps(before, after):
-        for step in range(6):
+        for step in range(3 + counted):
             if step == 3:
                 counts.clear()  # warm-up done: slots, dedicated buffers, staging, optimizer state exist
                 transient.clear()
@@ -46,19 +57,27 @@ def _steady_state_allocations(info, mp_policy) -> None:
             loss.backward()
             fsdp_graph.clip_grad_norm_(model, 1.0)
             opt.step()
-            opt.zero_grad(set_to_none=step % 2 == 0)  # both ways of zeroing keep the same buffers
+            opt.zero_grad(set_to_none=set_to_none)
         torch.cuda.synchronize()
     assert set(counts) == set(STEPS), counts
-    # Every buffer a hook touches is persistent: no hook keeps memory, and the only allocations
-    # are the metadata tables split_with_sizes_copy / _chunk_cat (FSDP2's copy kernels) allocate
-    # and free within the call (inside a whole-step capture they come from the graph's pool).
-    assert all(v == 0 for v in counts.values()), f"memory kept by hooks in steady state (bytes): {counts}"
+    assert any(unit_buffers(u).own_staging_bytes for u in units)  # the wide block and the root
+    # The sharded gradients are the user's, as in FSDP2: zero_grad(set_to_none=True) gives them back
+    # at the next forward (the root's), and each unit's reduce makes them again. Nothing else is kept:
+    # every buffer a hook touches is persistent, or (staging of a unit larger than the shared one)
+    # taken and given back within the hook.
+    grads = sum(_rounded(sharded_grad_bytes(u)) for u in units) * counted if set_to_none else 0
+    assert counts["pre_forward"] == -grads, counts
+    assert counts["post_backward"] + counts["end_backward"] == grads, counts
+    assert counts["post_forward"] == counts["pre_backward"] == 0, counts
+    # The only other allocations are the metadata tables split_with_sizes_copy / _chunk_cat (FSDP2's
+    # copy kernels) allocate and free within the call (inside a whole-step capture: the graph's pool).
     assert all(v <= TRANSIENT_LIMIT for v in transient.values()), f"transient bytes in hooks: {transient}"
 
 
+@pytest.mark.parametrize("set_to_none", [False, True], ids=["zero_grad_keeps", "zero_grad_set_to_none"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_steady_state_hooks_keep_no_memory_and_allocate_no_buffers(dtype):
+def test_steady_state_hooks_keep_only_the_users_gradients_and_allocate_no_buffers(dtype, set_to_none):
     policy = (
         None if dtype == "fp32" else fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     )
-    run_ranks(_steady_state_allocations, min(2, torch.cuda.device_count()), policy)
+    run_ranks(_steady_state_allocations, min(2, torch.cuda.device_count()), policy, set_to_none)

@@ -83,10 +83,16 @@ class FlatBuffers:
 
 @dataclass
 class CommScratch:
-    """Staging for the collectives of every unit of one root with the same dtypes and group: the
+    """Staging for the collectives of the units of one root with the same dtypes and group: the
     all-gather's output (compute dtype) and the reduce-scatter's input and output (reduce dtype),
     in the gathered (rank-major) layout. All-gathers run one after another on one stream, and so
-    do reduce-scatters, so one set serves every unit; it is sized for the largest."""
+    do reduce-scatters, so one set serves every unit that fits; it is sized for the largest slot
+    unit (the repeated layer). A larger unit (the root with the embeddings, say) takes staging of
+    its own from the caching allocator for each collective, on the collective's stream, and gives
+    it back right after, as FSDP2 does: kept persistent, it would sit in memory at the activation
+    peak for collectives that run when activations are few (the root's gather at the start of
+    the forward, its reduce at the end of the backward). Inside a whole-step capture that staging
+    comes from the graph's pool."""
 
     gathered_numel: int
     shard_numel: int
@@ -96,9 +102,12 @@ class CommScratch:
     reduce_in: torch.Tensor | None = None
     reduce_out: torch.Tensor | None = None
 
+    def fits(self, gathered_numel: int) -> bool:
+        return gathered_numel <= self.gathered_numel
+
     @torch.inference_mode(False)
-    def allocate(self) -> None:
-        if self.gather is None:
+    def allocate_staging(self) -> None:
+        if self.gather is None and self.gathered_numel:
             self.gather = torch.empty(self.gathered_numel, dtype=self.dtypes.compute, device=self.device)
             self.reduce_in = torch.empty(self.gathered_numel, dtype=self.dtypes.reduce, device=self.device)
             self.reduce_out = torch.empty(self.shard_numel, dtype=self.dtypes.reduce, device=self.device)
@@ -181,11 +190,14 @@ def plan_placements(requests: list[PlacementRequest]) -> list[tuple[Placement, S
     return plan
 
 
-def plan_scratch(requests: list[PlacementRequest]) -> list[CommScratch]:
-    """Every unit's collective staging, in the order of ``requests``: one per pool key, for the largest."""
+def plan_scratch(requests: list[PlacementRequest],
+                 plan: list[tuple[Placement, SlotPool | None]]) -> list[CommScratch]:
+    """Every unit's shared collective staging, in the order of ``requests``: one per pool key, sized
+    for its largest slot unit (empty without slot units: every unit then stages on its own)."""
     scratch: dict[tuple, CommScratch] = {}
-    for r in requests:
+    for r, (placement, _) in zip(requests, plan):
         s = scratch.setdefault(r.pool_key, CommScratch(0, 0, r.dtypes, r.device))
-        s.gathered_numel = max(s.gathered_numel, r.gathered_numel)
-        s.shard_numel = s.gathered_numel // r.world_size
+        if placement is Placement.SLOT:
+            s.gathered_numel = max(s.gathered_numel, r.gathered_numel)
+            s.shard_numel = s.gathered_numel // r.world_size
     return [scratch[r.pool_key] for r in requests]

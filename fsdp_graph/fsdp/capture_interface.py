@@ -15,7 +15,7 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
 * address pins (``pin_addresses``): a graph captured on a module pins it, so that re-sharding
   it later is refused instead of leaving the graph reading stale addresses;
 * per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
-  ``grads.expose_sharded()``.
+  ``grads.pin_sharded()``, ``grads.expose_sharded()``.
 
 Nothing here imports the graph layer: the engine does not know it exists.
 """

@@ -129,7 +129,7 @@ class FSDPModule:
         unit.require_idle(f"{type(self).__name__}._apply (to_empty, .to, .cuda)")
         result = super()._apply(fn, recurse)
         unit.param_group.reattach_masters()
-        unit.grads.reattach()
+        unit.grads.sharded.reattach()
         return result
 
     @contextmanager

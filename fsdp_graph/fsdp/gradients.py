@@ -10,8 +10,9 @@ per-unit accumulation buffer that keeps its sum until the next synchronised back
 After the backward, ``reduce`` copies the target into the shared reduce staging in rank order,
 casting to ``reduce_dtype`` (one ``_chunk_cat`` kernel), reduce-scatters it, all-reduces across
 HSDP replicas, and averages the result into the masters' ``.grad`` (accumulated if already set,
-as autograd does). Each ``.grad`` is the master's kind (a ``Shard(0)`` DTensor, or plain without
-a mesh) over this rank's rows in ``sharded_flat``, created once.
+as autograd does). Those live in ``sharded_grads.py``: views of one buffer per unit that follows
+``zero_grad(set_to_none=...)`` as FSDP2's do (given back when every ``.grad`` was set to None, made
+again by the next reduce), or stays for good once pinned by a whole-step graph.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .buffers import CommScratch, FlatBuffers, GradBuffer
 from .collectives import CommStreams, all_reduce, collective_failed, reduce_scatter_sum
 from .flat_layout import FlatLayout
 from .mesh import ShardMesh, local_tensor
+from .sharded_grads import ShardedGrads
 from .sharded_param import ShardedParam
 
 
@@ -39,12 +41,10 @@ class UnitGradients:
         self.group: dist.ProcessGroup | None = mesh.shard_group
         self.replicate_group: dist.ProcessGroup | None = mesh.replicate_group
         self.world_size = layout.world_size * mesh.replicate_size  # the data-parallel ranks averaged over
-        self.sharded_flat = torch.zeros_like(master_flat)
-        self._local_views = layout.local_views(self.sharded_flat)
-        self._sharded_views = [p.wrap(v) for p, v in zip(params, self._local_views)]  # the masters' .grad
+        self.device = master_flat.device
+        self.sharded = ShardedGrads(params, layout, master_flat)  # the masters' .grad
         self.trainable: list[int] = []
-        self._masters: list[torch.Tensor] = []  # of the trainable parameters, and their sharded views
-        self._trainable_views: list[torch.Tensor] = []
+        self._masters: list[torch.Tensor] = []  # of the trainable parameters
         self.refresh_trainable()
         self.accumulation_pending = False  # a no_sync sum waits in the accumulation buffer
         self.divide_factor: float | None = None  # the reduced sum is divided by it (None: the world size)
@@ -59,7 +59,6 @@ class UnitGradients:
     def refresh_trainable(self) -> None:
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         self._masters = [self.params[i].master for i in self.trainable]
-        self._trainable_views = [self._sharded_views[i] for i in self.trainable]
 
     # -- around the backward ----------------------------------------------------------------
     def prepare(self, buffers: FlatBuffers, sync: bool) -> None:
@@ -102,7 +101,7 @@ class UnitGradients:
         if self._accum is None:
             with torch.inference_mode(False):
                 tensor = torch.zeros(
-                    self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.sharded_flat.device
+                    self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device
                 )
             self._accum = GradBuffer(tensor)
             self._accum_views = self.layout.param_views(tensor)
@@ -116,11 +115,18 @@ class UnitGradients:
 
     def _reduce(self, target: GradBuffer, scratch: CommScratch, streams: CommStreams) -> None:
         layout = self.layout
-        if self._staging is None or self._staging[0] is not scratch:
-            self._staging = (scratch, layout.by_rank(scratch.reduce_in), scratch.reduce_in[: layout.gathered_numel],
-                             scratch.reduce_out[: layout.shard_numel])
-        _, by_rank, grads, reduced = self._staging
+        shared = scratch.fits(layout.gathered_numel)
+        if shared and (self._staging is None or self._staging[0] is not scratch):
+            self._staging = (scratch, *self._staging_views(scratch.reduce_in, scratch.reduce_out))
+        current = [m.grad for m in self._masters]  # read before the reduce changes them (post-accumulate hooks)
+        # A buffer made now is made on the compute stream, where its readers (optimizer, clipping) run.
+        self.sharded.ensure(zeros=not all(map(operator.is_, current, repeat(None))))
         with streams.enter(streams.reduce):
+            # Staging of its own (see ``buffers.CommScratch``) is made on this stream and given back
+            # when this block ends, after the last of this stream's kernels that read it was queued.
+            by_rank, grads, reduced = self._staging[1:] if shared else self._staging_views(
+                torch.empty(layout.gathered_numel, dtype=scratch.dtypes.reduce, device=self.device),
+                torch.empty(layout.shard_numel, dtype=scratch.dtypes.reduce, device=self.device))
             layout.copy_in(self._sources(target), by_rank)
             target.tensor[: layout.unsharded_numel].zero_()  # ready for the next backward, off its path
             target.zeroed = True
@@ -132,30 +138,35 @@ class UnitGradients:
                 raise
             except RuntimeError as err:  # gloo: a peer that never joined (timeout) or died
                 raise collective_failed("gradient reduce-scatter", self.name, err) from err
-            self._accumulate_sharded(reduced)
+            self._accumulate_sharded(reduced, current)
             self._run_post_accumulate_hooks()
 
-    def _accumulate_sharded(self, reduced: torch.Tensor) -> None:
+    def _staging_views(self, reduce_in: torch.Tensor, reduce_out: torch.Tensor) -> tuple:
+        """The copy-in's rows by rank, the reduce-scatter's input and its output."""
+        layout = self.layout
+        return layout.by_rank(reduce_in), reduce_in[: layout.gathered_numel], reduce_out[: layout.shard_numel]
+
+    def _accumulate_sharded(self, reduced: torch.Tensor, current: list[torch.Tensor | None]) -> None:
         """master.grad (+)= reduced / world_size, as autograd would accumulate into ``.grad``."""
         scale = 1.0 / (self.divide_factor or self.world_size)
-        masters, views = self._masters, self._trainable_views
-        current = [m.grad for m in masters]
+        masters, flat = self._masters, self.sharded.flat
+        views = [self.sharded.views[i] for i in self.trainable]
         if all(map(operator.is_, current, repeat(None))):
-            if reduced.dtype == self.sharded_flat.dtype:
-                torch.mul(reduced, scale, out=self.sharded_flat)  # one pass instead of zero_ + add_
+            if reduced.dtype == flat.dtype:
+                torch.mul(reduced, scale, out=flat)  # one pass instead of zero_ + add_
             else:  # add_ scales in the master dtype (a mul would scale in the reduce dtype)
-                self.sharded_flat.zero_()
-                self.sharded_flat.add_(reduced, alpha=scale)
+                flat.zero_()
+                flat.add_(reduced, alpha=scale)
             for master, view in zip(masters, views):
                 master.grad = view
         elif all(map(operator.is_, current, views)):
-            self.sharded_flat.add_(reduced, alpha=scale)
+            flat.add_(reduced, alpha=scale)
         else:
             for master, grad, view, i in zip(masters, current, views, self.trainable):
                 span = self.layout.spans[i]
                 piece = reduced.narrow(0, span.shard_offset, span.local_rows * span.row_numel).view(span.local_shape)
                 if grad is None:
-                    self._local_views[i].zero_()
+                    self.sharded.local_views[i].zero_()
                     master.grad = grad = view
                 local_tensor(grad).add_(piece, alpha=scale)
 
@@ -183,28 +194,17 @@ class UnitGradients:
             param.master.grad = None
         self.accumulation_pending = False
 
+    def pin_sharded(self) -> None:
+        """One sharded gradient buffer for good: a whole-step graph writes into it at every replay."""
+        self.sharded.pin()
+
     def expose_sharded(self) -> None:
-        """Point every trainable master's ``.grad`` at its piece of the sharded gradient buffer,
-        where a whole-step graph without optimizer writes each step's gradient."""
+        """Point every trainable master's ``.grad`` at its piece of the pinned sharded gradient
+        buffer, where a whole-step graph writes each step's gradient."""
         for i in self.trainable:
-            master, view = self.params[i].master, self._sharded_views[i]
+            master, view = self.params[i].master, self.sharded.views[i]
             if master.grad is not view:
                 master.grad = view
-
-    def reattach(self) -> None:
-        """After ``Module._apply`` swapped the masters' ``.grad`` tensors: values back into
-        ``sharded_flat``, and each ``.grad`` a view of it again (see ``ShardedParam.reattach``)."""
-        for param, view in zip(self.params, self._local_views):
-            grad = param.master.grad
-            found = None if grad is None else local_tensor(grad)
-            if found is None or found.data_ptr() == view.data_ptr() or not view.numel():
-                continue
-            with torch.no_grad():
-                view.copy_(found)
-            if grad is not found:
-                grad._local_tensor = view
-            else:
-                grad.data = view
 
     def _grad_buffers(self, buffers: FlatBuffers | None) -> list[GradBuffer]:
         return [b for b in (buffers.grads if buffers is not None else None, self._accum) if b is not None]
@@ -222,12 +222,11 @@ class UnitGradients:
     def snapshot(self) -> tuple:
         """What unit steps run at graph capture may change: the masters' ``.grad``, the sharded
         values, the ``no_sync`` flag (see ``RootContext.outside_training_step``)."""
-        return [p.master.grad for p in self.params], self.sharded_flat.clone(), self.accumulation_pending
+        return [p.master.grad for p in self.params], self.sharded.snapshot(), self.accumulation_pending
 
     def restore(self, snapshot: tuple) -> None:
-        grads, values, pending = snapshot
-        with torch.no_grad():
-            self.sharded_flat.copy_(values)
+        grads, sharded, pending = snapshot
+        self.sharded.restore(sharded)
         for param, grad in zip(self.params, grads):
             param.master.grad = grad
         self.accumulation_pending = pending

@@ -25,6 +25,7 @@ class UnitBuffers:
     params: tuple[int, int]  # [start, end) addresses of its parameter buffer (a slot is shared)
     grads: tuple[int, int]  # [start, end) of its gradient buffer
     nbytes_held: int  # device memory its buffers hold now (0: dynamic, between unshards)
+    own_staging_bytes: int = 0  # the most its collectives stage on their own (0: it uses the shared staging)
 
 
 def _range(tensor) -> tuple[int, int]:
@@ -32,10 +33,23 @@ def _range(tensor) -> tuple[int, int]:
 
 
 def unit_buffers(unit: FSDPUnit) -> UnitBuffers:
-    buffers = unit.param_group.buffers
+    group = unit.param_group
+    buffers, layout, own = group.buffers, group.layout, 0
+    if group.scratch is not None and layout.shard_numel and not group.scratch.fits(layout.gathered_numel):
+        dtypes = group.scratch.dtypes
+        gather = layout.gathered_numel * dtypes.compute.itemsize
+        reduce = (layout.gathered_numel + layout.shard_numel) * dtypes.reduce.itemsize
+        own = max(gather, reduce)
     if buffers is None:  # a slot unit before its first unshard
-        return UnitBuffers(unit.placement, (0, 0), (0, 0), 0)
-    return UnitBuffers(unit.placement, _range(buffers.params), _range(buffers.grads.tensor), buffers.nbytes_held())
+        return UnitBuffers(unit.placement, (0, 0), (0, 0), 0, own)
+    return UnitBuffers(unit.placement, _range(buffers.params), _range(buffers.grads.tensor), buffers.nbytes_held(),
+                       own)
+
+
+def sharded_grad_bytes(unit: FSDPUnit) -> int:
+    """Bytes of the unit's sharded gradient buffer (the masters' ``.grad``), whether it exists now or not."""
+    master_flat = unit.param_group.master_flat
+    return master_flat.numel() * master_flat.element_size()
 
 
 def unsharded_param_addresses(unit: FSDPUnit) -> list[int | None]:

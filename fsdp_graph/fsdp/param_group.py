@@ -92,12 +92,10 @@ class ParamGroup:
         """Take the placement the root planned (at its lazy init; again after a re-plan)."""
         self.placement, self._pool, self.scratch, self._streams = placement, pool, scratch, streams
         self.buffers, self.state, self._unshard_event = None, ShardState.SHARDED, None
-        if self.layout.shard_numel:
-            scratch.allocate()
-            layout = self.layout
-            self._gathered = scratch.gather[: layout.gathered_numel]
-            self._own_shard = self._gathered.narrow(0, layout.rank * layout.shard_numel, layout.shard_numel)
-            self._by_rank = layout.by_rank(scratch.gather)
+        self._shared_staging = None
+        if self.layout.shard_numel and scratch.fits(self.layout.gathered_numel):
+            scratch.allocate_staging()
+            self._shared_staging = self._staging_views(scratch.gather)
         if placement is not Placement.SLOT:
             self._bind_buffers(FlatBuffers.allocate(self.layout.unsharded_numel, self.dtypes, self.device))
         if placement is Placement.DYNAMIC:
@@ -168,16 +166,27 @@ class ParamGroup:
         self._gathered_at = (_master_writes[0], self.master_flat._version)
         if layout.shard_numel:
             with streams.enter(streams.all_gather):
-                self._own_shard.copy_(self.master_flat)
+                # Staging of its own (a unit larger than the shared one) is made on this stream and
+                # given back when this block ends: the stream's later work is ordered after its reads.
+                gathered, own_shard, by_rank = self._shared_staging or self._staging_views(
+                    torch.empty(layout.gathered_numel, dtype=self.dtypes.compute, device=self.device))
+                own_shard.copy_(self.master_flat)
                 try:
-                    all_gather_inplace(self._gathered, layout.shard_numel, self.group)
+                    all_gather_inplace(gathered, layout.shard_numel, self.group)
                 except torch.OutOfMemoryError:
                     raise
                 except RuntimeError as err:  # gloo: a peer that never joined (timeout) or died
                     raise collective_failed("all-gather", self.name, err) from err
-                layout.copy_out(self._by_rank, self._copy_out_targets)
+                layout.copy_out(by_rank, self._copy_out_targets)
                 self._unshard_event = streams.record(streams.all_gather)
         return True
+
+    def _staging_views(self, gather: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The all-gather's output in ``gather``, this rank's part of it, and its rows by rank."""
+        layout = self.layout
+        gathered = gather[: layout.gathered_numel]
+        own = gathered.narrow(0, layout.rank * layout.shard_numel, layout.shard_numel)
+        return gathered, own, layout.by_rank(gather)
 
     def unshard(self) -> None:
         """Gather now (for use in this step); the data lands asynchronously on GPU."""

@@ -53,7 +53,8 @@ class RootContext:
         streams = CommStreams(self.root.device)
         with_inner = {id(u.parent) for u in self.units if u.parent is not None}
         requests = [u.placement_request(id(u) in with_inner) for u in self.units]
-        for unit, (placement, pool), scratch in zip(self.units, plan_placements(requests), plan_scratch(requests)):
+        plan = plan_placements(requests)
+        for unit, (placement, pool), scratch in zip(self.units, plan, plan_scratch(requests, plan)):
             unit.bind(placement, pool, scratch, streams, self.order)
         self.streams = streams  # only now: a failed init (out of memory, say) is tried again next step
 
@@ -102,6 +103,7 @@ class RootContext:
         for unit in self.units:
             unit.reset_if_stuck()
             unit.param_group.clear_prefetch()
+            unit.grads.sharded.release_if_dropped()  # zero_grad(set_to_none=True): memory back before activations
 
     def note_failed_step(self, error: BaseException) -> None:
         """A training step raised (``make_train_step`` tells; units left mid-step tell by themselves)."""

@@ -188,6 +188,8 @@ class GraphedTrainStep:
 
     def _capture(self) -> None:
         self._refuse_post_accumulate_hooks()
+        for unit in self.body.units:
+            unit.grads.pin_sharded()  # the graph writes the gradients at fixed addresses
         # The capture records one Python path: start it from "no gradient", as every eager step
         # does, so the graph overwrites the sharded gradients instead of adding to them.
         self.body.clear_grads()
