@@ -51,6 +51,8 @@ sys.path.insert(1, os.path.dirname(_EXAMPLES_DIR))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hf_models import SIZES, build_hf  # noqa: E402
+from memory_breakdown import breakdown  # noqa: E402
+from mfu import mfu  # noqa: E402
 
 import fsdp_graph  # noqa: E402
 import fsdp_graph.hf  # noqa: E402
@@ -88,6 +90,7 @@ class BenchConfig:
 PRESETS = {  # --model gpt
     "small": BenchConfig("small", replace(CONFIGS["small"], tie_embeddings=False), 4),
     "medium": BenchConfig("medium", replace(CONFIGS["medium"], tie_embeddings=False), 4),
+    "large": BenchConfig("large", GPTConfig(32768, 2048, 16, 24, 1024, tie_embeddings=False), 4),  # 1.34B
     "smoke": BenchConfig("smoke", GPTConfig(256, 64, 4, 2, 64, tie_embeddings=False), 2),
 }
 HF_LLAMA_PRESETS = {  # --model hf-llama: hf_models.py's sizes, the GPT presets' sequences and batches
@@ -185,6 +188,12 @@ def train_step(model, opt, set_to_none: bool = True) -> Callable:
         opt.zero_grad(set_to_none=set_to_none)
         return loss
 
+    return owning(step, model, opt)
+
+
+def owning(step, model: torch.nn.Module, opt: torch.optim.Optimizer | None):
+    """Let --memory find the step's model and optimizer (their tensors are categories of their own)."""
+    step.bench_model, step.bench_optimizer = model, opt
     return step
 
 
@@ -219,9 +228,9 @@ def ours_layer_graphs(bench, env, batches, warmup):
     model = ours_sharded(bench, env)
     block_class = type(blocks_of(model)[0])  # FSDP<Block>, which every sharded block is
     config = fsdp_graph.GraphConfig(strategy="layer", modules=block_class)
-    step = fsdp_graph.make_train_step(loss_fn_of(model), model, make_optimizer(model, capturable=True),
-                                      config=config, example_batch=batches[0])
-    return step, None
+    opt = make_optimizer(model, capturable=True)
+    step = fsdp_graph.make_train_step(loss_fn_of(model), model, opt, config=config, example_batch=batches[0])
+    return owning(step, model, opt), None
 
 
 def ours_full_iteration(bench, env, batches, warmup):
@@ -231,7 +240,7 @@ def ours_full_iteration(bench, env, batches, warmup):
     config = fsdp_graph.GraphConfig(strategy="full_iteration", num_warmup_iters=warmup)
     step = fsdp_graph.make_train_step(loss_fn_of(model), model, opt, config=config, example_batch=batches[0])
     step.optimizer_ms = lambda: optimizer_step_ms(opt)
-    return step, None
+    return owning(step, model, opt), None
 
 
 def optimizer_step_ms(opt: torch.optim.Optimizer, replays: int = 20) -> float:
@@ -301,14 +310,15 @@ def fsdp2_full_graph(bench, env, batches, warmup):
         opt.zero_grad(set_to_none=False)  # the graph adds into these gradient tensors
 
     eager_step = train_step(model, opt, set_to_none=False)
-    return whole_graph_step(forward_backward_of(model), batches, warmup, eager_step, after)
+    step, warm_losses = whole_graph_step(forward_backward_of(model), batches, warmup, eager_step, after)
+    return owning(step, model, opt), warm_losses
 
 
 def floor(bench, env, batches, warmup):
     model = with_capture_path(build_model(bench, env)).to(torch.bfloat16)
     forward_backward = forward_backward_of(model)
     step, _ = whole_graph_step(forward_backward, batches, warmup, forward_backward, lambda: None)
-    return step, None  # no optimizer: its losses are not comparable
+    return owning(step, model, None), None  # no optimizer: its losses are not comparable
 
 
 BUILDERS = {name: globals()[name] for name in SYSTEMS}
@@ -336,11 +346,13 @@ def max_over_ranks(value: float, env: Env) -> float:
 
 
 def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, hot_path: bool,
-            profile: bool = False) -> dict:
+            profile: bool = False, memory: bool = False) -> dict:
     batches = make_batches(bench, env, warmup + steps)
+    baseline = 0
     if env.cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()  # anything an earlier system left: not this system's
     # A system built with a whole-step graph ran its warm-up steps while building (warm_losses).
     step, warm_losses = BUILDERS[system](bench, env, batches, warmup)
     first = warmup if system in WHOLE_GRAPH_SYSTEMS else 0
@@ -384,7 +396,9 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
         "step_ms_max": max_over_ranks(max(times) * 1e3, env),
         "host_ms_median": max_over_ranks(statistics.median(host) * 1e3, env),
         "tokens_per_s": tokens / (step_ms / 1e3),
-        "peak_mem_gib": max_over_ranks(torch.cuda.max_memory_allocated() / 2**30, env) if env.cuda else None,
+        "mfu": mfu(params, tokens / (step_ms / 1e3), env.world_size, env.device) if system != "floor" else None,
+        "peak_mem_gib": max_over_ranks((torch.cuda.max_memory_allocated() - baseline) / 2**30, env)
+        if env.cuda else None,
         "losses": [float(x) for x in losses] if system != "floor" else None,
     }
     if timer is not None:
@@ -393,9 +407,27 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
         record["profile"] = kernel_breakdown(step, batches[warmup:])  # extra steps, after the timed ones
     if hasattr(step, "optimizer_ms"):
         record["optimizer_ms"] = max_over_ranks(step.optimizer_ms(), env)
-    del step, batches
+    del step
     gc.collect()
+    if memory and env.cuda:
+        record["memory"] = memory_at_peak(system, bench, env, batches, warmup)
     return record
+
+
+def memory_at_peak(system: str, bench: BenchConfig, env: Env, batches, warmup: int) -> dict:
+    """The system built again and run for its warm-up and three steps while the allocator records
+    (examples/memory_breakdown.py): what is alive at its peak, by category, in GiB."""
+    def run():
+        step, _ = BUILDERS[system](bench, env, batches, warmup)
+        first = warmup if system in WHOLE_GRAPH_SYSTEMS else 0
+        for i in range(first, warmup + 3):
+            step(*batches[i])
+        return step.bench_model, step.bench_optimizer
+
+    result = breakdown(run)  # this rank's
+    gc.collect()
+    result["peak_gib_max_over_ranks"] = max_over_ranks(result["peak_gib"], env)
+    return result
 
 
 def make_deterministic() -> None:
@@ -454,13 +486,13 @@ def markdown(records: list[dict]) -> str:
     params = {r["config"]: r["params_m"] for r in records if "params_m" in r}
     lines = [
         f"Model: {model_of(records)} ({', '.join(f'{c} {m}M' for c, m in params.items())} parameters)", "",
-        "| config | system | step ms (median, min–max) | host ms | tokens/s | peak GiB | × fsdp2_eager "
+        "| config | system | step ms (median, min–max) | host ms | tokens/s | MFU | peak GiB | × fsdp2_eager "
         "| × fsdp2_full_graph | × floor | losses vs ours_eager |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         if r.get("skipped"):
-            lines.append(f"| {r['config']} | {r['system']} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {r['config']} | {r['system']} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         match = r.get("losses_match_ours")
         match_text = "–" if match is None else (
@@ -470,7 +502,8 @@ def markdown(records: list[dict]) -> str:
         lines.append(
             f"| {r['config']} | {r['system']} | {r['step_ms_median']:.2f} "
             f"({r['step_ms_min']:.2f}–{r['step_ms_max']:.2f}) "
-            f"| {r['host_ms_median']:.2f} | {r['tokens_per_s']:,.0f} | {f(r['peak_mem_gib'], '.2f')} "
+            f"| {r['host_ms_median']:.2f} | {r['tokens_per_s']:,.0f} "
+            f"| {'–' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {f(r['peak_mem_gib'], '.2f')} "
             f"| {f(r.get('x_fsdp2_eager'), '.2f')} | {f(r.get('x_fsdp2_full_graph'), '.2f')} "
             f"| {f(r.get('x_floor'), '.2f')} | {match_text} |"
         )
@@ -489,12 +522,31 @@ def markdown(records: list[dict]) -> str:
             lines += [f"| {kind} | {ms:.2f} |" for kind, ms in prof["kernel_ms_per_step"].items()]
             lines += ["", "| heaviest kernels | ms per step |", "|---|---|"]
             lines += [f"| `{name}` | {ms:.3f} |" for name, ms in prof.get("top_kernels_ms_per_step", {}).items()]
+    lines += memory_tables(records)
     for r in records:
         if r.get("hot_path_us"):
             lines += ["", f"Host time per call, {r['config']} / {r['system']} (--hot-path, extra steps):", "",
                       "| step | calls | µs per call |", "|---|---|---|"]
             lines += [f"| {label} | {v['calls']} | {v['us_per_call']:.1f} |" for label, v in r["hot_path_us"].items()]
     return "\n".join(lines) + "\n"
+
+
+def memory_tables(records: list[dict]) -> list[str]:
+    """Per config, GiB alive at each system's peak by category (--memory), systems side by side."""
+    lines = []
+    for config in dict.fromkeys(r["config"] for r in records):
+        rows = [r for r in records if r["config"] == config and r.get("memory")]
+        if not rows:
+            continue
+        categories = list(dict.fromkeys(c for r in rows for c in r["memory"]["categories"]))
+        lines += ["", f"Memory alive at the peak, {config} (GiB, rank 0; --memory, from the allocator's trace):", "",
+                  "| category | " + " | ".join(r["system"] for r in rows) + " |",
+                  "|---|" + "---|" * len(rows)]
+        for c in categories:
+            lines.append(f"| {c} | " + " | ".join(f"{r['memory']['categories'].get(c, 0):.3f}" for r in rows) + " |")
+        peaks = " | ".join(f"{r['memory']['peak_gib']:.3f}" for r in rows)
+        lines.append(f"| **peak (rank 0)** | {peaks} |")
+    return lines
 
 
 def plot(records: list[dict], path: str) -> bool:
@@ -531,7 +583,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="gpt", choices=sorted(MODELS),
                    help="our GPT (examples/gpt.py) or transformers' LlamaForCausalLM (examples/hf_models.py)")
     p.add_argument("--config", nargs="+", default=["small"],
-                   help="presets (small, medium) or, for gpt, custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
+                   help="presets (small, medium; gpt also large, 1.3B) or, for gpt, "
+                        "custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="timed steps per system")
@@ -539,6 +592,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hot-path", action="store_true", help="also time our per-layer hooks and replays (adds overhead)")
     p.add_argument("--profile", action="store_true",
                    help="also break the whole-graph systems' GPU time down by kernel kind")
+    p.add_argument("--memory", action="store_true",
+                   help="also break each system's peak memory down by category (builds and runs it again)")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels and a fixed NCCL algorithm: every system of ours must then give "
                         "ours_eager's losses bit for bit (a difference is a bug; the run exits with status 1)")
@@ -583,7 +638,7 @@ def main(argv=None) -> None:
                 continue
             if info.is_main:
                 print(f"[{args.model} {bench.name}] {system} ...", flush=True)
-            record = measure(system, bench, env, args.warmup, args.steps, args.hot_path, args.profile)
+            record = measure(system, bench, env, args.warmup, args.steps, args.hot_path, args.profile, args.memory)
             records.append({"model": args.model, **record})
             if env.world_size > 1:
                 dist.barrier()

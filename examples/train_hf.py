@@ -56,6 +56,7 @@ except ImportError:
 import torch
 import torch.distributed
 from hf_models import ARCHS, SIZES, build_hf, hf_batch
+from mfu import mfu
 from tqdm import tqdm
 from train_gpt import mean_over_ranks, synchronize  # the GPT example's helpers
 
@@ -64,7 +65,6 @@ import fsdp_graph.hf
 DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "medium": 3e-4}  # peak rates that train each size stably
 SMOKE = {"size": "tiny", "seq": 32, "batch": 4, "steps": 20, "warmup_steps": 2, "log_every": 5}
 TIMING_SKIP = 5  # steps left out of the mean step time: allocations, warm-up, a whole-step graph's capture
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, per GPU
 
 
 def parse_args() -> argparse.Namespace:
@@ -220,8 +220,6 @@ def main() -> None:
     gc.freeze()  # long-lived set-up objects out of the collector's sight (see train_gpt.py)
 
     tokens_per_step = rows_per_rank * args.seq * world  # global
-    peak = next((f for name, f in PEAK_BF16_FLOPS.items() if name in torch.cuda.get_device_name(device)),
-                None) if cuda else None
     if rank == 0:
         launcher = (f"accelerate {accelerator.distributed_type.value} x{accelerator.num_processes}"
                     if accelerator is not None else "no accelerate")
@@ -250,8 +248,9 @@ def main() -> None:
             now = time.perf_counter()
             tok_s = tokens_per_step * window_steps / (now - window_start)
             postfix = {"loss": f"{mean_loss:.4f}", "tok/s": f"{tok_s:,.0f}"}
-            if peak is not None:  # model FLOPs utilisation: 6 N flops per token, per GPU's bf16 peak
-                postfix["mfu"] = f"{6 * n_params * tok_s / (peak * world):.1%}"
+            utilisation = mfu(n_params, tok_s, world, device)  # 6 N flops per token over the bf16 peak
+            if utilisation is not None:
+                postfix["mfu"] = f"{utilisation:.1%}"
             bar.set_postfix(postfix)
             window_loss.zero_()
             window_steps, window_start = 0, now

@@ -29,7 +29,7 @@ def run_smoke(out: Path, *args: str) -> dict[str, dict]:
 
 
 def test_benchmark_smoke_run_writes_records_table_and_chart(tmp_path):
-    records = run_smoke(tmp_path, "--hot-path")
+    records = run_smoke(tmp_path, "--hot-path", "--memory")
     measured = [r for r in records.values() if not r.get("skipped")]
     assert {"fsdp2_eager", "ours_eager"} <= {r["system"] for r in measured}
     for r in measured:
@@ -40,6 +40,15 @@ def test_benchmark_smoke_run_writes_records_table_and_chart(tmp_path):
             assert len(r["losses"]) == 4 and r["losses_match_ours"], r
     assert records["ours_eager"]["losses_bitwise_equal_ours"]
     assert "unit.pre_forward (unshard, prefetch)" in records["ours_eager"]["hot_path_us"]
+    for r in measured:  # --memory: what is alive at the peak (GPU only: read from the CUDA allocator)
+        if r["device"] == "cpu":
+            assert "memory" not in r
+            continue
+        parts = r["memory"]["categories"]
+        assert abs(sum(parts.values()) - r["memory"]["peak_gib"]) < 1e-6, r["memory"]  # every live block placed
+        assert parts[next(c for c in parts if c.startswith("parameters"))] > 0, r["memory"]
+        if r["system"] in ("ours_eager", "ours_layer_graphs", "ours_full_iteration", "fsdp2_eager"):
+            assert parts.get("optimizer state", 0) > 0, r["memory"]
     table = (tmp_path / "results-gpt.md").read_text()
     assert "| smoke | fsdp2_eager |" in table and "| smoke | ours_eager |" in table
     if importlib.util.find_spec("matplotlib") is not None:
