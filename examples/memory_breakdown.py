@@ -30,6 +30,7 @@ GRAPH_POOL = "CUDA graph pool (the captured step's activations and temporaries)"
 FRAME_RULES = (  # (substring of a frame's file, function name or None, category); first frame that matches wins
     ("fsdp_graph/fsdp/buffers.py", "allocate_staging", "collective staging (persistent, fsdp_graph)"),
     ("fsdp_graph/fsdp/buffers.py", None, "unsharded parameter and gradient buffers (persistent, fsdp_graph)"),
+    ("fsdp_graph/fsdp/sharded_grads.py", None, SHARDED_GRADS),
     ("fsdp_graph/fsdp/gradients.py", None, SHARDED_GRADS),
     ("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", None, "unsharded parameters (FSDP2)"),
     ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", None,
