@@ -42,13 +42,15 @@ def _steady_state_allocations(info, mp_policy, set_to_none) -> None:
         start = started.pop()
         kept = torch.cuda.memory_allocated() - start
         counts[step] = counts.get(step, 0) + kept
-        excess = torch.cuda.max_memory_allocated() - start - max(kept, 0) - own_staging
+        excess = torch.cuda.max_memory_allocated() - start - max(kept, 0) - own_staging()
         transient[step] = max(transient.get(step, 0), excess)
 
     units = leaf_units(model) + [unit_of(model)]
-    # A unit larger than the shared staging (the wide block, the root) stages on its own, taking and
-    # giving back memory within a collective, which may run in a neighbour's hook (a prefetch).
-    own_staging = max(_rounded(unit_buffers(u).own_staging_bytes) for u in units)
+
+    def own_staging() -> int:
+        """A unit larger than the shared staging (the wide block, the root) stages on its own, taking
+        and giving back memory within a collective, which may run in a neighbour's hook (a prefetch)."""
+        return max(_rounded(unit_buffers(u).own_staging_bytes) for u in units)
     counted = 3
     with watch_steps(before, after):
         for step in range(3 + counted):
@@ -62,7 +64,7 @@ def _steady_state_allocations(info, mp_policy, set_to_none) -> None:
             opt.zero_grad(set_to_none=set_to_none)
         torch.cuda.synchronize()
     assert set(counts) == set(STEPS), counts
-    assert own_staging > 0
+    assert own_staging() > 0
     # The sharded gradients are the user's, as in FSDP2: zero_grad(set_to_none=True) gives them back
     # at the next forward (the root's), and each unit's reduce makes them again. Nothing else is kept:
     # every buffer a hook touches is persistent, or (staging of a unit larger than the shared one)
