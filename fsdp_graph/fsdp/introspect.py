@@ -46,6 +46,13 @@ def unit_buffers(unit: FSDPUnit) -> UnitBuffers:
                        own)
 
 
+def sharded_grad_bytes_held(unit: FSDPUnit) -> int:
+    """Bytes of device memory the unit's sharded gradient buffer holds now (0 after ``zero_grad()``
+    gave it back, or before the first backward)."""
+    flat = unit.grads.sharded.flat
+    return 0 if flat is None else flat.untyped_storage().nbytes()
+
+
 def sharded_grad_bytes(unit: FSDPUnit) -> int:
     """Bytes of the unit's sharded gradient buffer (the masters' ``.grad``), whether it exists now or not."""
     master_flat = unit.param_group.master_flat

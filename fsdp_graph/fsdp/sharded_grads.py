@@ -1,19 +1,27 @@
-"""A unit's sharded gradients: the masters' ``.grad``, views of one flat buffer that lives as long as they do.
+"""A unit's sharded gradients: the masters' ``.grad``, views of one flat buffer whose memory follows ``zero_grad``.
 
 As in FSDP2, the sharded gradients are the user's: ``optimizer.zero_grad()`` (``set_to_none=True``,
 torch's default) drops them, and their memory goes back before the next forward, which is where
-activations peak. The next reduce-scatter makes a new buffer. ``zero_grad(set_to_none=False)``
-keeps the buffer (the gradients become zeros and the reduce adds into them).
+activations peak. The next reduce-scatter takes memory again. ``zero_grad(set_to_none=False)``
+keeps it (the gradients become zeros and the reduce adds into them).
 
-A whole-step graph writes the gradients at fixed addresses: ``pin()`` makes the buffer persistent
-(allocated once, never dropped), and ``.grad`` is pointed back at it after each replay.
+The buffer and its views are made once: giving the memory back resizes the buffer's storage to
+zero and taking it again resizes it back (as FSDP2 does with unsharded parameters), so a step
+makes no new tensors or DTensors and the ``.grad`` objects stay the same (the optimizer's checks
+remember them). If anything besides these views still holds the storage (a ``.grad`` kept by the
+user, an alias of it), the memory is left to that holder instead: the views are dropped and new
+ones made at the next reduce, so no tensor a user holds ever changes under them.
 
-Each ``.grad`` is the master's kind: a ``Shard(0)`` DTensor (made with the master's spec: a plain
-constructor call, not ``DTensor.from_local``'s checks, since a new buffer comes once per step) or
-the plain local view without a mesh.
+A whole-step graph writes the gradients at fixed addresses: ``pin()`` keeps the memory for good,
+and ``.grad`` is pointed back at it after each replay.
+
+Each ``.grad`` is the master's kind: a ``Shard(0)`` DTensor made with the master's spec, or the
+plain local view without a mesh.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -32,44 +40,70 @@ class ShardedGrads:
         self.flat: torch.Tensor | None = None
         self.local_views: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []  # the masters' ``.grad`` while they are ours
+        self.live = False  # the buffer has memory
+        self._own_holders: tuple | None = None  # who holds the buffer and its views when only we do
 
-    def ensure(self, zeros: bool) -> bool:
-        """Make the buffer if there is none (``zeros``: zero-filled; else its values are undefined
-        and the caller overwrites all of it). True if it was made now."""
-        if self.flat is not None:
-            return False
+    def ensure(self, zeros: bool) -> None:
+        """Give the buffer memory if it has none (``zeros``: zero-filled; else its values are
+        undefined and the caller overwrites all of it)."""
+        if self.live:
+            return
         with torch.inference_mode(False):
-            flat = torch.zeros_like(self._like) if zeros else torch.empty_like(self._like)
-        self._adopt(flat)
-        return True
+            if self.flat is None:
+                self._adopt(torch.zeros_like(self._like) if zeros else torch.empty_like(self._like))
+            else:
+                self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+                if zeros:
+                    self.flat.zero_()
+        self.live = True
 
     def _adopt(self, flat: torch.Tensor) -> None:
         self.flat = flat
         self.local_views = self.layout.local_views(flat)
         self.views = [_like_master(p, v) for p, v in zip(self.params, self.local_views)]
+        self._own_holders = self._holders()
+
+    def _holders(self) -> tuple | None:
+        """References to the storage (tensors sharing it) and to each view object (a ``.grad`` the
+        user kept); None where torch cannot count storage users. Equal to the count taken when the
+        views were made (no ``.grad`` set then, none now) only if nothing else holds them."""
+        uses = _storage_uses(self.flat)
+        if uses is None:
+            return None
+        return uses, [sys.getrefcount(v) for v in self.views], [sys.getrefcount(v) for v in self.local_views]
 
     def release_if_dropped(self) -> None:
-        """At the unit's next forward: give the buffer back if every ``.grad`` was set to None."""
-        if self.flat is not None and not self.pinned and all(p.master.grad is None for p in self.params):
+        """At the unit's next forward: give the memory back if every ``.grad`` was set to None."""
+        if not self.live or self.pinned or any(p.master.grad is not None for p in self.params):
+            return
+        self.live = False
+        holders = self._holders()
+        if holders is not None and holders == self._own_holders:
+            self.flat.untyped_storage().resize_(0)
+        else:  # a tensor of the user's still reads this memory: leave it theirs
             self.flat, self.local_views, self.views = None, [], []
 
     def pin(self) -> None:
-        """Keep one buffer for good (a whole-step graph writes into it at every replay)."""
+        """Keep the memory for good (a whole-step graph writes into it at every replay)."""
         self.ensure(zeros=True)
         self.pinned = True
 
     def snapshot(self) -> tuple:
-        return self.flat, self.local_views, self.views, None if self.flat is None else self.flat.clone()
+        return self.flat, self.local_views, self.views, self._own_holders, self.flat.clone() if self.live else None
 
     def restore(self, snapshot: tuple) -> None:
-        self.flat, self.local_views, self.views, values = snapshot
+        self.flat, self.local_views, self.views, self._own_holders, values = snapshot
+        self.live = False
         if values is not None:
+            self.ensure(zeros=False)
             with torch.no_grad():
                 self.flat.copy_(values)
 
     def reattach(self) -> None:
         """After ``Module._apply`` swapped the masters' ``.grad`` tensors: values back into the
         buffer, and each ``.grad`` a view of it again (see ``ShardedParam.reattach``)."""
+        if not self.live:
+            return
         for param, view in zip(self.params, self.local_views):
             grad = param.master.grad
             found = None if grad is None else local_tensor(grad)
@@ -81,6 +115,12 @@ class ShardedGrads:
                 grad._local_tensor = view
             else:
                 grad.data = view
+
+
+def _storage_uses(tensor: torch.Tensor) -> int | None:
+    """How many tensors (and storage handles) share ``tensor``'s storage; None where torch cannot tell."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if use_count is None else use_count(tensor.untyped_storage()._cdata)
 
 
 def _like_master(param: ShardedParam, local: torch.Tensor) -> torch.Tensor:
