@@ -26,12 +26,16 @@ import torch
 
 MASTERS = "parameters (the sharded fp32 masters; floor: the whole bf16 model)"
 SHARDED_GRADS, OPT_STATE = "gradients (sharded, fp32; floor: whole, bf16)", "optimizer state"
+STAGING = "collective staging (fsdp_graph: shared and persistent, or a wide unit's own)"
+BUFFERS = "unsharded parameter and gradient buffers (persistent, fsdp_graph)"
 GRAPH_POOL = "CUDA graph pool (the captured step's activations and temporaries)"
 FRAME_RULES = (  # (substring of a frame's file, function name or None, category); first frame that matches wins
-    ("fsdp_graph/fsdp/buffers.py", "allocate_staging", "collective staging (persistent, fsdp_graph)"),
-    ("fsdp_graph/fsdp/buffers.py", None, "unsharded parameter and gradient buffers (persistent, fsdp_graph)"),
+    ("fsdp_graph/fsdp/buffers.py", "allocate_staging", STAGING),
+    ("fsdp_graph/fsdp/param_group.py", "_issue_unshard", STAGING),  # a wide unit's own, per all-gather
+    ("fsdp_graph/fsdp/gradients.py", "_reduce", STAGING),  # ... per reduce-scatter
+    ("fsdp_graph/fsdp/buffers.py", None, BUFFERS),
+    ("fsdp_graph/fsdp/gradients.py", "_accumulation_buffer", BUFFERS),  # no_sync's sum
     ("fsdp_graph/fsdp/sharded_grads.py", None, SHARDED_GRADS),
-    ("fsdp_graph/fsdp/gradients.py", None, SHARDED_GRADS),
     ("torch/distributed/fsdp/_fully_shard/_fsdp_param.py", None, "unsharded parameters (FSDP2)"),
     ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", None,
      "collective buffers and sharded gradients (FSDP2)"),

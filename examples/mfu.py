@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import torch
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, per GPU
+PEAK_BF16_FLOPS = {  # dense bf16, per GPU; the first name found in torch.cuda.get_device_name wins
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
+}
 
 
 def peak_bf16_flops(device: torch.device) -> float | None:

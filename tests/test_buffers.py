@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from fsdp_graph.fsdp.buffers import BufferDtypes, Placement, PlacementRequest, plan_placements
+from fsdp_graph.fsdp.buffers import BufferDtypes, Placement, PlacementRequest, plan_placements, plan_scratch
 from fsdp_graph.fsdp.flat_layout import ALIGN_NUMEL, FlatLayout
 from fsdp_graph.fsdp.introspect import unit_buffers, unsharded_grad_addresses, unsharded_param_addresses
 from fsdp_graph.fsdp.registry import units_in
@@ -154,6 +156,18 @@ def test_placement_plan_is_a_pure_function_of_the_requests():
     pools = [pool for _, pool in plan]
     assert pools[1] is pools[2] is pools[3] is pools[4] and pools[1].numel == 256
     assert pools[8] is not pools[1] and pools[8].numel == 64
+
+    # The shared collective staging is sized for the largest slot unit of its pool key; larger
+    # units (the root, the wide block) stage on their own; a key without slot units shares none.
+    requests = [replace(r, gathered_numel=r.numel) for r in requests]
+    scratch = plan_scratch(requests, plan)
+    assert scratch[0] is scratch[1] is scratch[5] and scratch[0].gathered_numel == 256
+    assert [s.fits(r.gathered_numel) for s, r in zip(scratch, requests)] == [
+        False, True, True, True, True, False, False, True, True,
+    ]
+    assert scratch[8] is not scratch[0] and scratch[8].gathered_numel == 64
+    alone = [_request(512, has_inner_units=True, gathered_numel=512)]
+    assert not plan_scratch(alone, plan_placements(alone))[0].fits(512)
 
 
 @pytest.mark.parametrize("double_buffer", [True, False])

@@ -8,7 +8,9 @@ import torch
 
 import fsdp_graph
 from fsdp_graph.fsdp.capture_interface import leaf_units
-from fsdp_graph.fsdp.introspect import sharded_grad_bytes, unit_buffers, watch_steps
+from fsdp_graph.fsdp.gradients import UnitGradients
+from fsdp_graph.fsdp.introspect import sharded_grad_bytes, unit_buffers, watch_methods, watch_steps
+from fsdp_graph.fsdp.param_group import ParamGroup
 from fsdp_graph.fsdp.registry import unit_of
 
 from dist_harness import run_ranks
@@ -30,29 +32,34 @@ def _steady_state_allocations(info, mp_policy, set_to_none) -> None:
     model, _ = build(info.device, d=64, hidden=256, n_blocks=4, big_block=3)
     shard(model, mp_policy=mp_policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    units = leaf_units(model) + [unit_of(model)]
+    unit_of_part = {id(part): u for u in units for part in (u.param_group, u.grads)}
     counts: dict = {}
     transient: dict = {}
-    started: list = []
+    started: list = []  # per open hook: [memory at its start, the most its collectives staged on their own]
 
     def before(step, unit):
         torch.cuda.reset_peak_memory_stats()
-        started.append(torch.cuda.memory_allocated())
+        started.append([torch.cuda.memory_allocated(), 0])
 
     def after(step, unit):
-        start = started.pop()
+        start, own_staging = started.pop()
         kept = torch.cuda.memory_allocated() - start
         counts[step] = counts.get(step, 0) + kept
-        excess = torch.cuda.max_memory_allocated() - start - max(kept, 0) - own_staging()
+        excess = torch.cuda.max_memory_allocated() - start - max(kept, 0) - own_staging
         transient[step] = max(transient.get(step, 0), excess)
 
-    units = leaf_units(model) + [unit_of(model)]
-
-    def own_staging() -> int:
+    def collective(what, part):
         """A unit larger than the shared staging (the wide block, the root) stages on its own, taking
-        and giving back memory within a collective, which may run in a neighbour's hook (a prefetch)."""
-        return max(_rounded(unit_buffers(u).own_staging_bytes) for u in units)
+        and giving back memory within the collective, which may run in a neighbour's hook (a prefetch)."""
+        own = _rounded(unit_buffers(unit_of_part[id(part)]).own_staging_bytes)
+        for frame in started:
+            frame[1] = max(frame[1], own)
+
+    collectives = [(ParamGroup, "_issue_unshard", "unshard", lambda args: args[0]),
+                   (UnitGradients, "_reduce", "reduce", lambda args: args[0])]
     counted = 3
-    with watch_steps(before, after):
+    with watch_steps(before, after), watch_methods(collectives, before=collective):
         for step in range(3 + counted):
             if step == 3:
                 counts.clear()  # warm-up done: slots, dedicated buffers, staging, optimizer state exist
@@ -64,7 +71,8 @@ def _steady_state_allocations(info, mp_policy, set_to_none) -> None:
             opt.zero_grad(set_to_none=set_to_none)
         torch.cuda.synchronize()
     assert set(counts) == set(STEPS), counts
-    assert own_staging() > 0
+    own = [unit_buffers(u).own_staging_bytes for u in units]  # blocks 0-3 (3 is the wide one), the root
+    assert own[3] > 0 and own[0] == own[1] == own[2] == 0, own  # (this root is smaller than a block)
     # The sharded gradients are the user's, as in FSDP2: zero_grad(set_to_none=True) gives them back
     # at the next forward (the root's), and each unit's reduce makes them again. Nothing else is kept:
     # every buffer a hook touches is persistent, or (staging of a unit larger than the shared one)

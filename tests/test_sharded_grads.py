@@ -10,7 +10,7 @@ import torch
 
 from fsdp_graph.fsdp.introspect import sharded_grad_bytes, sharded_grad_bytes_held
 from fsdp_graph.fsdp.mesh import local_tensor
-from fsdp_graph.fsdp.registry import units_in
+from fsdp_graph.fsdp.registry import root_contexts, units_in
 
 from dist_harness import run_ranks
 from models import build, local_loss, shard
@@ -57,7 +57,54 @@ def _gradients_follow_zero_grad(info) -> None:
     assert params[3].grad is not kept
     assert torch.equal(local_tensor(kept), kept_values)
     assert not torch.equal(local_tensor(params[3].grad), kept_values)
+    opt.step()
+
+    # The same with zero_grad between the forward and the backward (nothing is given back at that
+    # forward: the gradients were still set; the reduce finds the kept one and makes a new buffer).
+    loss = local_loss(model, 4, info)
+    kept = params[3].grad
+    kept_values = local_tensor(kept).clone()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    assert params[3].grad is not kept
+    assert torch.equal(local_tensor(kept), kept_values)
+    del kept
+
+
+def _warmup_brackets_leave_gradient_memory_as_it_was(info) -> None:
+    """Graph warm-up and capture run unit steps inside ``outside_training_step``, which restores the
+    gradients afterwards: a pinned buffer (captured in a whole-step graph) keeps its address, and
+    memory the bracket took is given back at the next forward."""
+    model, _ = build(info.device)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    units = units_in(model)
+    (ctx,) = root_contexts(model)
+
+    local_loss(model, 0, info).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    local_loss(model, 1, info)  # gives the memory back
+    assert all(sharded_grad_bytes_held(u) == 0 for u in units)
+    with ctx.outside_training_step():
+        local_loss(model, 2, info).backward()  # takes it again
+    assert all(p.grad is None for p in model.parameters())
+    local_loss(model, 3, info)
+    assert all(sharded_grad_bytes_held(u) == 0 for u in units), "memory taken inside the bracket stayed"
+
+    for unit in units:
+        unit.grads.pin_sharded()
+    addresses = [unit.grads.sharded.flat.data_ptr() for unit in units]
+    with ctx.outside_training_step():
+        local_loss(model, 4, info).backward()
+    assert [unit.grads.sharded.flat.data_ptr() for unit in units] == addresses, "a pinned buffer moved"
+    local_loss(model, 5, info)
+    assert all(sharded_grad_bytes_held(u) == sharded_grad_bytes(u) for u in units)  # pinned: kept
 
 
 def test_gradients_follow_zero_grad_and_a_kept_gradient_stays_the_users():
     run_ranks(_gradients_follow_zero_grad, 2)
+
+
+def test_warmup_brackets_keep_pinned_gradients_in_place_and_give_taken_memory_back():
+    run_ranks(_warmup_brackets_leave_gradient_memory_as_it_was, 2)

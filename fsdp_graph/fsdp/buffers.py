@@ -47,6 +47,7 @@ class GradBuffer:
     tensor: torch.Tensor
     reduce_done: Any = None  # torch.cuda.Event on GPU
     zeroed: bool = True  # all zeros once ``reduce_done`` has passed (the reduce zeroes what it read)
+    side_streams_noted: bool = False  # ``CommStreams.shared_with_side_streams`` was told of it
 
     def take_for_backward(self) -> None:
         """Hand the buffer to a backward that accumulates into it: zero unless the last reduce

@@ -88,6 +88,15 @@ class CommStreams:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
+    def shared_with_side_streams(self, *tensors: torch.Tensor) -> None:
+        """Persistent ``tensors`` (allocated on the compute stream) that the side streams also read
+        or write: when they are freed at last (the model dropped, perhaps after a step that failed
+        midway), the allocator waits for the side streams' queued work before reusing the memory."""
+        if self.cuda and not torch.cuda.is_current_stream_capturing():
+            for tensor in tensors:
+                tensor.record_stream(self.all_gather)
+                tensor.record_stream(self.reduce)
+
     def synchronize(self) -> None:
         """Wait on the host for all work on the device: every stream is joined afterwards."""
         if self.cuda:

@@ -119,11 +119,15 @@ class UnitGradients:
         if shared and (self._staging is None or self._staging[0] is not scratch):
             self._staging = (scratch, *self._staging_views(scratch.reduce_in, scratch.reduce_out))
         current = [m.grad for m in self._masters]  # read before the reduce changes them (post-accumulate hooks)
-        # A buffer made now is made on the compute stream, where its readers (optimizer, clipping) run.
-        self.sharded.ensure(zeros=not all(map(operator.is_, current, repeat(None))))
+        # Memory taken now is taken on the compute stream, where its readers (optimizer, clipping) run.
+        self.sharded.take(zeros=not all(map(operator.is_, current, repeat(None))), writer_stream=streams.reduce)
+        if not target.side_streams_noted:
+            streams.shared_with_side_streams(target.tensor)
+            target.side_streams_noted = True
         with streams.enter(streams.reduce):
-            # Staging of its own (see ``buffers.CommScratch``) is made on this stream and given back
-            # when this block ends, after the last of this stream's kernels that read it was queued.
+            # Staging of its own (see ``buffers.CommScratch``) is allocated on this stream and freed
+            # when this function returns: the allocator hands the block only to later work of this
+            # stream, which is queued after these kernels.
             by_rank, grads, reduced = self._staging[1:] if shared else self._staging_views(
                 torch.empty(layout.gathered_numel, dtype=scratch.dtypes.reduce, device=self.device),
                 torch.empty(layout.shard_numel, dtype=scratch.dtypes.reduce, device=self.device))

@@ -16,7 +16,8 @@ which evicts the other one (refused while the other one is UNSHARDED).
 
 Unshard casts the master shard into this rank's part of the shared gather buffer, all-gathers in
 place, and copies the result out into the unit's persistent buffer (one kernel:
-``FlatLayout.copy_out``), all on the all-gather stream, with no allocation.
+``FlatLayout.copy_out``), all on the all-gather stream, with no allocation; a unit larger than
+the shared gather buffer (``buffers.CommScratch``) takes one of its own for each all-gather.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class ParamGroup:
         self._shared_staging = None
         if self.layout.shard_numel and scratch.fits(self.layout.gathered_numel):
             scratch.allocate_staging()
+            streams.shared_with_side_streams(scratch.gather, scratch.reduce_in, scratch.reduce_out)
             self._shared_staging = self._staging_views(scratch.gather)
         if placement is not Placement.SLOT:
             self._bind_buffers(FlatBuffers.allocate(self.layout.unsharded_numel, self.dtypes, self.device))
@@ -110,6 +112,8 @@ class ParamGroup:
     def _bind_buffers(self, buffers: FlatBuffers) -> None:
         """Point the unsharded parameters at ``buffers`` (created at the first bind, then re-pointed)."""
         self.buffers = buffers
+        if self.placement is not Placement.DYNAMIC:
+            self._streams.shared_with_side_streams(buffers.params)  # (gradients: at their first reduce)
         self._param_flat = buffers.params[: self.layout.unsharded_numel]
         for param, view in zip(self.params, self.layout.param_views(alias(self._param_flat))):
             param.bind(view)
@@ -166,8 +170,9 @@ class ParamGroup:
         self._gathered_at = (_master_writes[0], self.master_flat._version)
         if layout.shard_numel:
             with streams.enter(streams.all_gather):
-                # Staging of its own (a unit larger than the shared one) is made on this stream and
-                # given back when this block ends: the stream's later work is ordered after its reads.
+                # Staging of its own (a unit larger than the shared one) is allocated on this stream and
+                # freed when this function returns: the allocator hands the block only to later work
+                # of this stream, which is queued after these reads.
                 gathered, own_shard, by_rank = self._shared_staging or self._staging_views(
                     torch.empty(layout.gathered_numel, dtype=self.dtypes.compute, device=self.device))
                 own_shard.copy_(self.master_flat)

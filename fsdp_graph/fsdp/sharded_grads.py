@@ -40,12 +40,22 @@ class ShardedGrads:
         self.flat: torch.Tensor | None = None
         self.local_views: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []  # the masters' ``.grad`` while they are ours
-        self.live = False  # the buffer has memory
         self._own_holders: tuple | None = None  # who holds the buffer and its views when only we do
 
-    def ensure(self, zeros: bool) -> None:
-        """Give the buffer memory if it has none (``zeros``: zero-filled; else its values are
-        undefined and the caller overwrites all of it)."""
+    @property
+    def live(self) -> bool:
+        """The buffer has its memory (read from the storage itself: nothing to keep in step)."""
+        return self.flat is not None and self.flat.untyped_storage().nbytes() > 0
+
+    def take(self, zeros: bool, writer_stream=None) -> None:
+        """Before a reduce writes the gradients: memory for the buffer (``zeros``: zero-filled, else
+        undefined: the caller overwrites all of it). If every ``.grad`` is None and something besides
+        our views still holds the buffer (a ``.grad`` kept across ``zero_grad``, called after the
+        forward), that holder keeps it and a new buffer is made. ``writer_stream``: a side stream that
+        writes the buffer; its memory is not reused before that stream's queued work is done."""
+        if self.flat is not None and not self.pinned and all(p.master.grad is None for p in self.params) \
+                and not self._only_ours():
+            self._detach()
         if self.live:
             return
         with torch.inference_mode(False):
@@ -55,13 +65,17 @@ class ShardedGrads:
                 self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
                 if zeros:
                     self.flat.zero_()
-        self.live = True
+        if writer_stream is not None:
+            self.flat.record_stream(writer_stream)  # (a buffer given back after a failed backward, say)
 
     def _adopt(self, flat: torch.Tensor) -> None:
         self.flat = flat
         self.local_views = self.layout.local_views(flat)
         self.views = [_like_master(p, v) for p, v in zip(self.params, self.local_views)]
         self._own_holders = self._holders()
+
+    def _detach(self) -> None:
+        self.flat, self.local_views, self.views, self._own_holders = None, [], [], None
 
     def _holders(self) -> tuple | None:
         """References to the storage (tensors sharing it) and to each view object (a ``.grad`` the
@@ -72,30 +86,35 @@ class ShardedGrads:
             return None
         return uses, [sys.getrefcount(v) for v in self.views], [sys.getrefcount(v) for v in self.local_views]
 
+    def _only_ours(self) -> bool:
+        holders = self._holders()
+        return holders is not None and holders == self._own_holders
+
     def release_if_dropped(self) -> None:
         """At the unit's next forward: give the memory back if every ``.grad`` was set to None."""
         if not self.live or self.pinned or any(p.master.grad is not None for p in self.params):
             return
-        self.live = False
-        holders = self._holders()
-        if holders is not None and holders == self._own_holders:
+        if self._only_ours():
             self.flat.untyped_storage().resize_(0)
         else:  # a tensor of the user's still reads this memory: leave it theirs
-            self.flat, self.local_views, self.views = None, [], []
+            self._detach()
 
     def pin(self) -> None:
         """Keep the memory for good (a whole-step graph writes into it at every replay)."""
-        self.ensure(zeros=True)
+        self.take(zeros=True)
         self.pinned = True
 
     def snapshot(self) -> tuple:
         return self.flat, self.local_views, self.views, self._own_holders, self.flat.clone() if self.live else None
 
     def restore(self, snapshot: tuple) -> None:
+        """Back to the snapshot's buffer and values. Memory it holds stays where it is (a pinned
+        buffer is captured in a graph); memory taken since the snapshot is given back at the next
+        forward, as any other."""
         self.flat, self.local_views, self.views, self._own_holders, values = snapshot
-        self.live = False
         if values is not None:
-            self.ensure(zeros=False)
+            if not self.live:
+                self.take(zeros=False)
             with torch.no_grad():
                 self.flat.copy_(values)
 
