@@ -62,11 +62,14 @@ class ShardedGrads:
             if self.flat is None:
                 self._adopt(torch.zeros_like(self._like) if zeros else torch.empty_like(self._like))
             else:
-                self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+                self._regrow()
                 if zeros:
                     self.flat.zero_()
         if writer_stream is not None:
             self.flat.record_stream(writer_stream)  # (a buffer given back after a failed backward, say)
+
+    def _regrow(self) -> None:
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
 
     def _adopt(self, flat: torch.Tensor) -> None:
         self.flat = flat
@@ -114,7 +117,7 @@ class ShardedGrads:
         self.flat, self.local_views, self.views, self._own_holders, values = snapshot
         if values is not None:
             if not self.live:
-                self.take(zeros=False)
+                self._regrow()  # the snapshot's own buffer again, whoever else holds it
             with torch.no_grad():
                 self.flat.copy_(values)
 
