@@ -53,11 +53,10 @@ class ShardedGrads:
         our views still holds the buffer (a ``.grad`` kept across ``zero_grad``, called after the
         forward), that holder keeps it and a new buffer is made. ``writer_stream``: a side stream that
         writes the buffer; its memory is not reused before that stream's queued work is done."""
-        if self.flat is not None and not self.pinned and all(p.master.grad is None for p in self.params) \
-                and not self._only_ours():
-            self._detach()
         if self.live:
-            return
+            if self.pinned or any(p.master.grad is not None for p in self.params) or self._only_ours():
+                return
+            self._detach()  # (given back at a forward, the memory was checked then: only a live one needs it)
         with torch.inference_mode(False):
             if self.flat is None:
                 self._adopt(torch.zeros_like(self._like) if zeros else torch.empty_like(self._like))
