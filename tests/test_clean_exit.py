@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 import fsdp_graph
 
+from dist_harness import run_ranks
+
 SCRIPTS = Path(__file__).parent / "scripts"
 # gloo's exit problem, on CPU: no GPU for the jobs even on a GPU machine (where they would pick NCCL).
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -56,3 +58,43 @@ def test_shutdown_without_a_group_does_nothing():
     fsdp_graph.shutdown()
     fsdp_graph.shutdown()
     assert not dist.is_initialized()
+
+
+class _CountingReplays:
+    """Stands in for a captured CUDA graph on CPU: counts its replays."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def _graphs_released_before_destroy(info) -> None:
+    from fsdp_graph.fsdp.communicator_graphs import hold
+    from fsdp_graph.graphs.whole_graph import ReleasableGraph
+
+    inner = _CountingReplays()
+    graph = ReleasableGraph(inner, "make_train_step")
+    graph.replay()
+    released_while_initialized = []
+
+    class Holder:
+        def release(self) -> None:
+            released_while_initialized.append(dist.is_initialized())
+
+    holder = Holder()
+    hold(holder)
+    dist.destroy_process_group()  # the script's own call, through torch's module attribute
+    assert released_while_initialized == [True], released_while_initialized
+    with pytest.raises(RuntimeError, match="make_train_step: this CUDA graph was released when a process group was "
+                                           r"destroyed \(destroy_process_group or fsdp_graph.shutdown"):
+        graph.replay()
+    assert inner.replays == 1
+
+
+def test_graphs_holding_collectives_are_released_before_a_group_is_destroyed():
+    """NCCL's destroy waits forever for a graph that captured its collectives (GPU:
+    test_full_iteration_gpu.py::test_destroy_process_group_returns_with_whole_step_graphs_alive);
+    here, on gloo, the order: every holder releases its graph while the group still exists."""
+    run_ranks(_graphs_released_before_destroy, 2, backend="gloo")

@@ -254,3 +254,28 @@ def test_moving_a_sharded_model_to_another_device_is_refused():
     model = _single_gpu_model()
     with pytest.raises(RuntimeError, match="moved to cpu, but fully_shard placed its unit on cuda"):
         model.cpu()
+
+
+def _destroy_with_graphs_alive(info) -> None:
+    """A script's end: its whole-step and whole-forward graphs (NCCL collectives inside) still
+    alive when it calls ``destroy_process_group``, which NCCL would make wait for them forever."""
+    model = _build(info, oversized_block=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
+    step = fsdp_graph.make_train_step(lambda idx, targets: model(idx, targets)[1], model, opt,
+                                      config=_whole_step(2), example_batch=_batch(0, info))
+    evaluate = fsdp_graph.make_eval_step(model, config=GraphConfig(forward_only="model"), example_args=_batch(1, info))
+    for i in range(4):
+        step(*_batch(i, info))
+    evaluate(*_batch(9, info))
+    assert step.replays == 2 and evaluate.replays == 1
+    torch.distributed.destroy_process_group()  # returns: the graphs were released first
+    with pytest.raises(RuntimeError, match="make_train_step: this CUDA graph was released when a process group "
+                                           "was destroyed"):
+        step(*_batch(5, info))
+    with pytest.raises(RuntimeError, match="make_eval_step: this CUDA graph was released"):
+        evaluate(*_batch(9, info))
+
+
+@needs_two
+def test_destroy_process_group_returns_with_whole_step_graphs_alive():
+    run_ranks(_destroy_with_graphs_alive, 2, timeout=150)  # before the fix: hung in destroy_process_group

@@ -14,6 +14,8 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
   unsharded parameters and gradients never move;
 * address pins (``pin_addresses``): a graph captured on a module pins it, so that re-sharding
   it later is refused instead of leaving the graph reading stale addresses;
+* ``release_before_destroy``: a graph that captured collectives registers to be released before
+  any process group is destroyed (``communicator_graphs.py``);
 * per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
   ``grads.pin_sharded()``, ``grads.expose_sharded()``.
 
@@ -22,6 +24,7 @@ Nothing here imports the graph layer: the engine does not know it exists.
 
 from __future__ import annotations
 
+from .communicator_graphs import hold as release_before_destroy
 from .hooks import (
     BACKWARD_PRE_SENTINEL,
     BACKWARD_SENTINEL,
@@ -50,6 +53,7 @@ __all__ = [
     "post_forward_reshard",
     "pre_backward_handler",
     "pre_forward_unshard",
+    "release_before_destroy",
     "require_fixed_addresses",
     "root_contexts",
     "units_in",

@@ -11,11 +11,12 @@ active exception" (pytorch/pytorch#190489). ``destroy_process_group`` alone does
 workers live as long as anything (a sharded model, a mesh) still references the group, usually
 until finalisation.
 
-``shutdown()`` first lets those workers finish (the GIL released, bounded), then destroys the
-process group, all while the interpreter is fully alive. ``init_distributed`` registers it with
-``atexit`` when it creates the group: atexit handlers run before finalisation starts, so a
-script that just ends, or that calls ``torch.distributed.destroy_process_group()`` itself,
-exits cleanly too.
+``shutdown()`` first lets those workers finish (the GIL released, bounded), then releases the CUDA
+graphs that captured NCCL collectives (``communicator_graphs.py``: NCCL's destroy would wait for
+them forever), then destroys the process group, all while the interpreter is fully alive.
+``init_distributed`` registers it with ``atexit`` when it creates the group: atexit handlers run
+before finalisation starts, so a script that just ends, or that calls
+``torch.distributed.destroy_process_group()`` itself, exits cleanly too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import warnings
 
 import torch.distributed as dist
 
+from .communicator_graphs import release_graphs
+
 _GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives gloo's worker threads
 _TASKS = "/proc/self/task"
 _IDLE_TIMEOUT_S = 2.0
@@ -39,11 +42,13 @@ def shutdown() -> None:
     """Destroy the default process group (and its subgroups) safely; idempotent.
 
     Waits (at most 2 s, the GIL released) until gloo's worker threads are idle, so none of them
-    needs the GIL after the interpreter starts finalising, then calls ``destroy_process_group``.
+    needs the GIL after the interpreter starts finalising, releases the CUDA graphs that captured
+    collectives, then calls ``destroy_process_group``.
     Call it at the end of a script, or let the ``atexit`` hook that ``init_distributed``
     registers call it. It runs no collective: it is safe when another rank has failed.
     """
     wait_for_gloo_workers()
+    release_graphs()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -11,6 +11,9 @@ Events are the one thing to clean: a capture must not wait on an event recorded 
 reduce-done event of the last eager step, say), and eager work must not wait on one recorded
 inside it, so the device is synchronised and every unit's events are dropped before and after.
 The warm-up runs on the capture's stream, so the autograd engine's per-stream state is there.
+
+The graph holds resources of the NCCL communicators its collectives ran on, and NCCL's destroy
+waits for them: it is released before any process group is destroyed (``ReleasableGraph``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from ..fsdp.capture_interface import RootContext
+from ..fsdp.capture_interface import RootContext, release_before_destroy
 from .capture import gc_paused
 
 T = TypeVar("T")
@@ -37,6 +40,27 @@ def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
             yield
     finally:
         current.wait_stream(stream)
+
+
+class ReleasableGraph:
+    """A captured graph that is dropped before any process group is destroyed (a graph holding NCCL
+    collectives would make ``destroy_process_group`` wait forever); replaying it afterwards is refused."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, what: str) -> None:
+        self._graph, self.what = graph, what
+        release_before_destroy(self)
+
+    def replay(self) -> None:
+        if self._graph is None:
+            raise RuntimeError(
+                f"{self.what}: this CUDA graph was released when a process group was destroyed "
+                "(destroy_process_group or fsdp_graph.shutdown: NCCL's destroy waits forever for a graph "
+                "holding its collectives). Build a new step after init_process_group."
+            )
+        self._graph.replay()
+
+    def release(self) -> None:
+        self._graph = None
 
 
 def capture_whole(what: str, run: Callable[[], T], contexts: list[RootContext], stream: torch.cuda.Stream):
@@ -63,4 +87,4 @@ def capture_whole(what: str, run: Callable[[], T], contexts: list[RootContext], 
     finally:
         for ctx in contexts:
             ctx.forget_events()
-    return graph, result
+    return ReleasableGraph(graph, what), result
