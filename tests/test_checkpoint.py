@@ -40,7 +40,7 @@ from models import TinyLM, global_batch, lm_loss, local_part
 LIBRARIES = {"fsdp2": "torch.distributed.fsdp", "fsdp_graph": "fsdp_graph"}
 SAVED_AT = 3  # steps trained before the checkpoint
 STEPS = 6  # the uninterrupted run; a resumed run trains steps SAVED_AT .. STEPS - 1
-GLOBAL_ROWS = 6  # rows of a step's global batch: split evenly over 1, 2 or 3 ranks
+GLOBAL_ROWS = 24  # rows of a step's global batch: split evenly over 1, 2, 3, 4, 6 or 8 ranks
 WRITER_WORLD_SIZE = 2
 # Checkpoints are device-independent: these run on CPU with gloo everywhere (on a GPU machine, 3
 # ranks over 2 GPUs would put CUDA tensors on gloo, which FSDP2's own collectives do not survive).
