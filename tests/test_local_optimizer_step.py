@@ -259,3 +259,48 @@ def _same_update_as_the_dtensor_path(info) -> None:
 
 def test_a_gradient_placed_otherwise_takes_the_dtensor_path():
     run_ranks(_same_update_as_the_dtensor_path, 4, backend="gloo")
+
+
+def _state_replaced_between_steps(info) -> None:
+    """The step mapping is built once and reused while the state is unchanged; a state loaded
+    between steps (new tensors) is the one the next step uses, and the old one is freed at once,
+    not kept alive by the reused mapping until the next step."""
+    import gc
+    import weakref
+
+    info = type("Info", (), {"device": CPU, "world_size": info.world_size, "rank": info.rank})
+    models = [build(CPU)[0] for _ in range(2)]
+    for model in models:
+        shard(model)
+    fast = torch.optim.AdamW(models[0].parameters(), lr=1e-2)
+    slow = _dtensor_path(torch.optim.AdamW(models[1].parameters(), lr=1e-2))
+    pairs = ((models[0], fast), (models[1], slow))
+
+    def train(steps):
+        for step in steps:
+            for model, optimizer in pairs:
+                local_loss(model, step, info).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+    train(range(3))  # the first step creates the state; the next ones reuse the mapping
+    master = next(p for p in models[0].parameters() if p.requires_grad)
+    old_local = weakref.ref(fast.state[master]["exp_avg"]._local_tensor)
+    for _, optimizer in pairs:
+        saved = optimizer.state_dict()
+        for state in saved["state"].values():
+            state["exp_avg"] = state["exp_avg"] * 0.5  # new tensors, other values
+        optimizer.load_state_dict(saved)
+        del saved, state
+    gc.disable()  # freed by reference counting: no cycle holds the old state
+    try:
+        assert old_local() is None, "the old state's local tensor outlived the load"
+    finally:
+        gc.enable()
+    train(range(3, 6))
+    for (key, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p._local_tensor, q._local_tensor), key
+
+
+def test_a_state_loaded_between_steps_is_used_and_the_old_one_freed():
+    run_ranks(_state_replaced_between_steps, 2, backend="gloo")
