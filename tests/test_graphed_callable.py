@@ -12,7 +12,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_graph.graphs.capture import CaptureTarget, backward_pass, captured_call, forward_pass
+from fsdp_graph.graphs.capture import (
+    CaptureTarget,
+    backward_pass,
+    captured_call,
+    forward_pass,
+    normalize_capture_time_hooks,
+)
 from fsdp_graph.graphs.graphed_callable import GraphedCallable
 
 
@@ -219,3 +225,38 @@ def test_capture_time_pre_forward_hook_must_return_args_and_kwargs():
     call = CaptureTarget(Scaled(), "Scaled", (torch.zeros(1, 3),), {}, bad)
     with pytest.raises(TypeError, match="pre_forward hook of Scaled must return None or \\(args, kwargs\\)"):
         call.run_pre_forward((torch.zeros(1, 3),), {})
+
+
+def test_transformer_engines_hook_names_run_where_ours_of_their_kind_run():
+    """TE's ``capture_time_hooks`` form (``hook(module)``, returning None) beside ours in one dict:
+    each runs where ours of its kind runs, in the dict's order, through a warm-up-style pass."""
+    log = []
+
+    def te(tag):
+        return lambda module: log.append((tag, type(module).__name__))
+
+    entry = {
+        "pre_forward": {0: lambda m, a, k: log.append(("pre_forward", len(a)))},
+        "forward_pre_hooks": {0: te("forward_pre_hooks")},
+        "forward_hooks": {0: te("forward_hooks")},
+        "backward_pre_hooks": {0: te("backward_pre_hooks")},
+        "backward": {0: lambda m: log.append(("backward", None))},
+        "backward_hooks": {0: te("backward_hooks")},
+    }
+    (hooks,) = normalize_capture_time_hooks([entry], 1)
+    call = CaptureTarget(Scaled(), "Scaled", (torch.randn(2, 3, requires_grad=True),), {}, hooks)
+    backward_pass(call, forward_pass(call))
+    assert log == [
+        ("pre_forward", 1), ("forward_pre_hooks", "Scaled"), ("forward_hooks", "Scaled"),
+        ("backward_pre_hooks", "Scaled"), ("backward", None), ("backward_hooks", "Scaled"),
+    ]
+
+
+def test_a_transformer_engine_style_hook_that_returns_a_value_is_an_error_naming_ours():
+    (hooks,) = normalize_capture_time_hooks([{"forward_hooks": {"cast": lambda module: 1.0}}], 1)
+    call = CaptureTarget(Scaled(), "Scaled", (torch.randn(2, 3, requires_grad=True),), {}, hooks)
+    with pytest.raises(TypeError, match=r"capture_time_hooks\[0\]\['forward_hooks'\]\['cast'\] returned a value.*"
+                                        r"hook\(module\) and must return None.*'forward' \(module, args, outputs\)"):
+        forward_pass(call)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['forward_post_hooks'\].*TransformerEngine's"):
+        normalize_capture_time_hooks([{"forward_post_hooks": {}}], 1)

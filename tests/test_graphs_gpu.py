@@ -105,10 +105,18 @@ def test_two_micro_batches_accumulate_like_eager():
         assert torch.equal(p.grad, q.grad)
 
 
-def test_capture_time_hooks_run_in_order_around_warmup_and_capture_never_at_replay():
+@pytest.mark.parametrize("names", ["ours", "transformer_engine"])
+def test_capture_time_hooks_run_in_order_around_warmup_and_capture_never_at_replay(names):
     log: list = []
 
     def hooks(tag):
+        if names == "transformer_engine":  # TE's make_graphed_callables form: hook(module) -> None
+            return {
+                "forward_pre_hooks": {1: lambda m: log.append(f"pre_forward{tag}")},
+                "forward_hooks": {2: lambda m: log.append(f"forward{tag}")},
+                "backward_pre_hooks": {3: lambda m: log.append(f"pre_backward{tag}")},
+                "backward_hooks": {4: lambda m: log.append(f"backward{tag}")},
+            }
         return {
             "pre_forward": {1: lambda m, a, k: log.append(f"pre_forward{tag}")},
             "forward": {2: lambda m, a, o: log.append(f"forward{tag}")},

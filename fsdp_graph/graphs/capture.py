@@ -14,6 +14,15 @@ new ``(args, kwargs)``, ``forward(module, args, outputs)`` may return new output
 next forward hook only), ``pre_backward(module)``, ``backward(module)``. This is where FSDP's
 unshard and reshard run, so a graph never contains communication or Python.
 
+TransformerEngine's ``make_graphed_callables`` takes the same hooks under its own names, each
+``hook(module)`` returning None; that form is accepted too, in the same dict or alone:
+
+    ``forward_pre_hooks`` -> ``pre_forward``     ``forward_hooks`` -> ``forward``
+    ``backward_pre_hooks`` -> ``pre_backward``   ``backward_hooks`` -> ``backward``
+
+They run where ours of the same kind run, in the order the dict lists them. One that returns a
+value is an error (TE's contract; ours may replace arguments or outputs).
+
 The static inputs are copies of the arguments *after* the pre-forward hooks: at replay the same
 hooks run eagerly (``module(...)``) before the graphed forward sees its arguments.
 """
@@ -35,6 +44,8 @@ from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, autoc
 from .host_sync import no_host_sync
 
 HOOK_KEYS = ("pre_forward", "forward", "pre_backward", "backward")
+TE_HOOK_KEYS = {"forward_pre_hooks": "pre_forward", "forward_hooks": "forward",
+                "backward_pre_hooks": "pre_backward", "backward_hooks": "backward"}  # TransformerEngine's names
 MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
@@ -60,14 +71,38 @@ def normalize_capture_time_hooks(hooks, count: int) -> list[dict[str, dict]]:
         entry = entry or {}
         if not isinstance(entry, dict):
             raise TypeError(f"capture_time_hooks[{i}] must be a dict like {{'pre_forward': {{id: fn}}}} or None")
-        unknown = sorted(set(entry) - set(HOOK_KEYS))
+        unknown = sorted(set(entry) - set(HOOK_KEYS) - set(TE_HOOK_KEYS))
         if unknown:
-            raise ValueError(f"capture_time_hooks[{i}]: unknown key(s) {unknown}; the keys are {list(HOOK_KEYS)}")
+            raise ValueError(
+                f"capture_time_hooks[{i}]: unknown key(s) {unknown}; the keys are {list(HOOK_KEYS)} (or "
+                f"TransformerEngine's {list(TE_HOOK_KEYS)})"
+            )
+        merged: dict[str, dict] = {key: {} for key in HOOK_KEYS}
         for key, fns in entry.items():
             if not isinstance(fns, dict) or not all(callable(fn) for fn in fns.values()):
                 raise TypeError(f"capture_time_hooks[{i}]['{key}'] must be a dict of hook id -> callable")
-        normalized.append({key: dict(entry.get(key, {})) for key in HOOK_KEYS})
+            if key in TE_HOOK_KEYS:
+                merged[TE_HOOK_KEYS[key]].update(
+                    ((key, hook_id), _te_style(fn, f"capture_time_hooks[{i}]['{key}'][{hook_id!r}]"))
+                    for hook_id, fn in fns.items())
+            else:
+                merged[key].update(fns)
+        normalized.append(merged)
     return normalized
+
+
+def _te_style(fn: Callable, where: str) -> Callable:
+    """A TransformerEngine-style hook, ``fn(module)`` returning None, called as ours of its kind is."""
+
+    def hook(module, *_):
+        if fn(module) is not None:
+            raise TypeError(
+                f"{where} returned a value, but a hook under TransformerEngine's names is called as hook(module) "
+                "and must return None. To replace the arguments or the outputs, register it under 'pre_forward' "
+                "(module, args, kwargs) -> (args, kwargs) or 'forward' (module, args, outputs) -> outputs instead."
+            )
+
+    return hook
 
 
 def static_copy(x):
