@@ -261,10 +261,11 @@ def test_a_gradient_placed_otherwise_takes_the_dtensor_path():
     run_ranks(_same_update_as_the_dtensor_path, 4, backend="gloo")
 
 
-def _state_replaced_between_steps(info) -> None:
+def _state_replaced_between_steps(info, add_group_first: bool) -> None:
     """The step mapping is built once and reused while the state is unchanged; a state loaded
     between steps (new tensors) is the one the next step uses, and the old one is freed at once,
-    not kept alive by the reused mapping until the next step."""
+    not kept alive by the reused mapping until the next step. ``add_group_first``: a param group
+    added (a new plan) in between, which must not leave the mapping unguarded."""
     import gc
     import weakref
 
@@ -280,27 +281,34 @@ def _state_replaced_between_steps(info) -> None:
         for step in steps:
             for model, optimizer in pairs:
                 local_loss(model, step, info).backward()
-                optimizer.step()
+                with _DTensorOps() as ops:
+                    optimizer.step()
+                assert (ops.count == 0) == (optimizer is fast), ops.count  # ours on local shards throughout
                 optimizer.zero_grad()
 
     train(range(3))  # the first step creates the state; the next ones reuse the mapping
+    if add_group_first:
+        for _, optimizer in pairs:
+            optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})  # no gradient: no state
+        train(range(3, 4))
     master = next(p for p in models[0].parameters() if p.requires_grad)
     old_local = weakref.ref(fast.state[master]["exp_avg"]._local_tensor)
-    for _, optimizer in pairs:
-        saved = optimizer.state_dict()
-        for state in saved["state"].values():
-            state["exp_avg"] = state["exp_avg"] * 0.5  # new tensors, other values
-        optimizer.load_state_dict(saved)
-        del saved, state
-    gc.disable()  # freed by reference counting: no cycle holds the old state
+    gc.disable()  # freed by reference counting: no cycle may be what frees the old state
     try:
+        for _, optimizer in pairs:
+            saved = optimizer.state_dict()
+            for state in saved["state"].values():
+                state["exp_avg"] = state["exp_avg"] * 0.5  # new tensors, other values
+            optimizer.load_state_dict(saved)
+            del saved, state
         assert old_local() is None, "the old state's local tensor outlived the load"
     finally:
         gc.enable()
-    train(range(3, 6))
+    train(range(4, 7))
     for (key, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(p._local_tensor, q._local_tensor), key
 
 
-def test_a_state_loaded_between_steps_is_used_and_the_old_one_freed():
-    run_ranks(_state_replaced_between_steps, 2, backend="gloo")
+@pytest.mark.parametrize("add_group_first", [False, True])
+def test_a_state_loaded_between_steps_is_used_and_the_old_one_freed(add_group_first):
+    run_ranks(_state_replaced_between_steps, 2, add_group_first, backend="gloo")

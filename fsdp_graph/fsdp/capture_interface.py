@@ -15,7 +15,7 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
 * address pins (``pin_addresses``): a graph captured on a module pins it, so that re-sharding
   it later is refused instead of leaving the graph reading stale addresses;
 * ``release_before_destroy``: a graph that captured collectives registers to be released before
-  any process group is destroyed (``communicator_graphs.py``);
+  the default or an NCCL process group is destroyed (``communicator_graphs.py``);
 * per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
   ``grads.pin_sharded()``, ``grads.expose_sharded()``.
 

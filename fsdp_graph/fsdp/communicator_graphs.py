@@ -8,13 +8,16 @@ alive at the call, the call hung every time; with the graph released first, it r
 its step is still alive, and so does the ``atexit`` hook of ``init_distributed``.
 
 So every object that holds such a graph registers here (``hold``), and ``release_graphs()`` makes
-each of them drop its graph, after a device synchronize, before any group is destroyed. Three
-paths call it:
+each of them drop its graph, after a device synchronize, before a group is destroyed. Two paths
+call it:
 
 * ``fsdp_graph.shutdown()``, and with it the ``atexit`` hook;
-* ``torch.distributed.destroy_process_group``, which the first ``hold`` wraps. A name imported
-  with ``from torch.distributed import destroy_process_group`` before that is torch's own, so
-  call ``fsdp_graph.shutdown()`` instead, or drop the step first.
+* ``torch.distributed.destroy_process_group``, which the first ``hold`` wraps: for the default
+  group (everything goes) and for any NCCL group (a graph may hold its collectives, and which
+  ones it holds is not known here), not for a gloo group, whose destroy waits for no graph (a
+  metrics group destroyed mid-training leaves the steps alone). A name imported with
+  ``from torch.distributed import destroy_process_group`` before that is torch's own, so call
+  ``fsdp_graph.shutdown()`` instead, or drop the step first.
 
 A released holder refuses to replay and names the cause.
 """
@@ -42,22 +45,40 @@ def release_graphs() -> int:
     """Make every registered holder drop its graph; returns how many did."""
     holders = list(_holders)
     if holders and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # no replay still running when its graph goes
+        try:
+            torch.cuda.synchronize()  # no replay still running when its graph goes
+        except RuntimeError:
+            pass  # a sticky CUDA error: nothing runs any more, and the graphs must go all the same
     for holder in holders:
         holder.release()
         _holders.discard(holder)
     return len(holders)
 
 
-def _wrap_destroy_process_group() -> None:
-    original = c10d.destroy_process_group
-    if getattr(original, _WRAPPED, False):
-        return
+def _holds_graphs_of(group) -> bool:
+    """Whether destroying ``group`` may wait for a graph: the default group (all of them go), or an
+    NCCL group (the only backend whose destroy waits for captured collectives)."""
+    if group is None or group is c10d.GroupMember.WORLD:
+        return True
+    try:
+        return "nccl" in str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):
+        return True  # not a group torch knows: the original call says so; release to be safe
 
+
+def _wrap_destroy_process_group() -> None:
+    for module in (c10d, dist):  # each attribute from its own current value
+        original = module.destroy_process_group
+        if not getattr(original, _WRAPPED, False):
+            module.destroy_process_group = _releasing_first(original)
+
+
+def _releasing_first(original):
     @functools.wraps(original)
-    def destroy_process_group(*args, **kwargs):
-        release_graphs()
-        return original(*args, **kwargs)
+    def destroy_process_group(group=None):
+        if _holds_graphs_of(group):
+            release_graphs()
+        return original(group)
 
     setattr(destroy_process_group, _WRAPPED, True)
-    c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
+    return destroy_process_group

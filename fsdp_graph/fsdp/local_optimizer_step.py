@@ -130,12 +130,14 @@ class _Swap:
 
     The step body sees ``optimizer.state`` replaced by a mapping built for the step: the same
     per-parameter dicts for other parameters, and for each master a dict of its state's local
-    tensors. Between steps nothing is held but the plan (the masters, which the optimizer holds
-    anyway), weak references and the mapping's identities: no state tensor, no gradient, no
+    tensors. Between steps it holds the plan (the masters, which the optimizer holds anyway), weak
+    references to the state tensors, and the step mapping of the state as it last was (the local
+    tensors of the masters' state, the other parameters' per-parameter dicts): no gradient, no
     reference to the optimizer. What was checked is remembered, so an unchanged gradient or state
-    is not checked again, and an unchanged state reuses the step mapping built for it: the check
-    compares identities in C loops, sound because a weak reference's callback marks the plan
-    stale the moment a state tensor it named is freed (its id could then be reused).
+    is not checked again, and an unchanged state reuses its step mapping: the check compares
+    identities in C loops, sound because a weak reference's callback drops the mapping the moment
+    a state tensor it named is freed (its id could then be reused, and the mapping would keep the
+    freed state's local tensor alive). A new plan (param groups changed) drops it too.
 
     A step that creates or replaces state (the first one) changes the step mapping: ``undo``
     carries the change over and the next step builds the mapping again."""
@@ -159,8 +161,9 @@ class _Swap:
         """Check that the swap is exact for this step (see the module docstring); False: it is not."""
         groups = optimizer.param_groups
         signature = (*map(id, groups), *(id(p) for group in groups for p in (group["params"], *group["params"])))
-        if signature != self.signature:
-            self.usable, self.signature, self.checked = self._plan(groups), signature, []
+        if signature != self.signature:  # a new plan: new entries, so a new step mapping too
+            self.usable, self.signature = self._plan(groups), signature
+            self.checked, self.cache, self.state_ids = [], [], None
         if not self.usable or optimizer.defaults.get("differentiable") or any(
                 group.get("differentiable") for group in groups):
             return False

@@ -13,7 +13,7 @@ inside it, so the device is synchronised and every unit's events are dropped bef
 The warm-up runs on the capture's stream, so the autograd engine's per-stream state is there.
 
 The graph holds resources of the NCCL communicators its collectives ran on, and NCCL's destroy
-waits for them: it is released before any process group is destroyed (``ReleasableGraph``).
+waits for them: it is released before the default or an NCCL group is destroyed (``ReleasableGraph``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
 
 
 class ReleasableGraph:
-    """A captured graph that is dropped before any process group is destroyed (a graph holding NCCL
+    """A captured graph that is dropped before the default or an NCCL group is destroyed (a graph holding NCCL
     collectives would make ``destroy_process_group`` wait forever); replaying it afterwards is refused."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, what: str) -> None:
@@ -51,13 +51,14 @@ class ReleasableGraph:
         release_before_destroy(self)
 
     def replay(self) -> None:
-        if self._graph is None:
+        graph = self._graph  # read once: a release may come from another thread
+        if graph is None:
             raise RuntimeError(
                 f"{self.what}: this CUDA graph was released when a process group was destroyed "
                 "(destroy_process_group or fsdp_graph.shutdown: NCCL's destroy waits forever for a graph "
-                "holding its collectives). Build a new step after init_process_group."
+                "holding its collectives). Build a new step."
             )
-        self._graph.replay()
+        graph.replay()
 
     def release(self) -> None:
         self._graph = None
