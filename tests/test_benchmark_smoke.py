@@ -108,3 +108,28 @@ def test_soak_smoke_run_checks_every_strategy_it_runs():
     for strategy in strategies:
         assert f"| {strategy} | 12 |" in out, out + result.stderr[-3000:]
     assert result.returncode == 0 and "soak: every check passed" in out, out + result.stderr[-3000:]
+
+
+def test_scaling_gathers_runs_at_several_world_sizes_into_one_table(tmp_path):
+    """examples/scaling.py over two smoke runs, at 2 and 3 ranks (issue #16's table and chart)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    files = []
+    for n in (2, 3):
+        out = tmp_path / f"ws{n}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+               str(REPO / "examples" / "benchmark.py"), "--smoke", "--systems", "fsdp2_eager", "ours_eager",
+               "--out", str(out)]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        files.append(str(out / "results-gpt.json"))
+    scaling = [sys.executable, str(REPO / "examples" / "scaling.py")]
+    result = subprocess.run([*scaling, *files, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = (tmp_path / "scaling-gpt.md").read_text()
+    records = [r for f in files for r in json.loads(open(f).read())]
+    assert {r["world_size"] for r in records} == {2, 3}
+    for r in records:
+        per_gpu = f"{r['tokens_per_s'] / r['world_size']:,.0f}"
+        assert f"| {r['system']} | {r['world_size']} | {r['step_ms_median']:.2f} | {per_gpu} |" in table, table
+    result = subprocess.run([*scaling, files[0], files[0]], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "both hold" in result.stderr
