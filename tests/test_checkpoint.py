@@ -37,6 +37,8 @@ import fsdp_graph
 from dist_harness import run_ranks
 from models import TinyLM, global_batch, lm_loss, local_part
 
+pytestmark = pytest.mark.cpu_only  # CPU and gloo on any machine: CI runs it; the GPU suite need not
+
 LIBRARIES = {"fsdp2": "torch.distributed.fsdp", "fsdp_graph": "fsdp_graph"}
 SAVED_AT = 3  # steps trained before the checkpoint
 STEPS = 6  # the uninterrupted run; a resumed run trains steps SAVED_AT .. STEPS - 1

@@ -19,6 +19,8 @@ import fsdp_graph
 
 from dist_harness import run_ranks
 
+pytestmark = pytest.mark.cpu_only  # CPU and gloo on any machine: CI runs it; the GPU suite need not
+
 SCRIPTS = Path(__file__).parent / "scripts"
 # gloo's exit problem, on CPU: no GPU for the jobs even on a GPU machine (where they would pick NCCL).
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}

@@ -11,6 +11,8 @@ import torch
 from dist_harness import run_ranks
 from models import build, local_loss, shard
 
+pytestmark = pytest.mark.cpu_only  # CPU and gloo on any machine: CI runs it; the GPU suite need not
+
 
 def _rank_one_never_joins(info) -> None:
     """Rank 1 trains one step, then stops taking part; rank 0 starts the next step and waits in

@@ -13,6 +13,8 @@ from torch.utils._pytree import tree_flatten
 from dist_harness import run_ranks
 from models import build, local_loss, shard
 
+pytestmark = pytest.mark.cpu_only  # CPU and gloo on any machine: CI runs it; the GPU suite need not
+
 CPU = torch.device("cpu")
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),

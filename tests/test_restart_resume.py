@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.cpu_only  # CPU and gloo on any machine: CI runs it; the GPU suite need not
+
 SCRIPT = Path(__file__).parent / "scripts" / "restart_resume_job.py"
 
 

@@ -26,6 +26,8 @@ import fsdp_graph.checkpoint.directory
 from dist_harness import run_ranks
 from models import TinyLM, global_batch, local_part, shard
 
+pytestmark = pytest.mark.cpu_only  # CPU and gloo on any machine: CI runs it; the GPU suite need not
+
 CPU = torch.device("cpu")
 STEPS, EVERY, KILLED_AT = 8, 2, 5  # the interrupted run dies after step 5 (last checkpoint: step 4)
 

@@ -16,6 +16,8 @@ from test_parity import _train_and_compare
 
 from dist_harness import run_ranks
 
+pytestmark = pytest.mark.cpu_only  # CPU and gloo on any machine: CI runs it; the GPU suite need not
+
 TIMEOUT_S = 400  # eight processes share the CI machine's two cores
 
 
