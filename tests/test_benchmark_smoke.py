@@ -133,3 +133,8 @@ def test_scaling_gathers_runs_at_several_world_sizes_into_one_table(tmp_path):
         assert f"| {r['system']} | {r['world_size']} | {r['step_ms_median']:.2f} | {per_gpu} |" in table, table
     result = subprocess.run([*scaling, files[0], files[0]], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "both hold" in result.stderr
+    other_model = tmp_path / "results-hf-llama.json"
+    renamed = [{**r, "model": "hf-llama", "world_size": 4} for r in json.loads(open(files[0]).read())]
+    other_model.write_text(json.dumps(renamed))
+    result = subprocess.run([*scaling, files[0], str(other_model)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "runs of several models" in result.stderr

@@ -14,7 +14,6 @@ without delays (``docs/stream_handoffs.md`` lists the hand-offs exercised).
 from __future__ import annotations
 
 import os
-import types
 
 import pytest
 import torch
@@ -82,6 +81,11 @@ def test_delays_on_every_stream_change_no_bit(case):
     run_ranks(_delays_change_nothing, 2, case)
 
 
+def _delays_change_nothing_without_a_group(info, case: str) -> None:
+    torch.distributed.destroy_process_group()  # the harness made a one-rank group: train without one
+    _delays_change_nothing(info, case)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_delays_change_no_bit_on_one_gpu_without_a_process_group(case):
     """One GPU, no process group: the unshard and the reduce run no collective, so no NCCL stream
@@ -89,11 +93,7 @@ def test_delays_change_no_bit_on_one_gpu_without_a_process_group(case):
     after another (block 0 after block 3 here) writes the slot's gradient buffer, which the other
     unit's reduce copied in and zeroed on the reduce stream; only the wait on ``reduce_done``
     (``GradBuffer.take_for_backward``) orders the two. This is the edge the two-GPU runs cannot
-    isolate (``docs/stream_handoffs.md``)."""
+    isolate (``docs/stream_handoffs.md``). In a rank of its own, as the other cases: deterministic
+    cuBLAS needs its workspace setting before the process first uses cuBLAS."""
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    info = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cuda", 0))
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    try:
-        _delays_change_nothing(info, case)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
+    run_ranks(_delays_change_nothing_without_a_group, 1, case)
