@@ -19,6 +19,9 @@ mask), fsdp2_eager keeps HF's default (SDPA's is_causal kernels).
                      fsdp_graph.hf.shard_model)
   ours_layer_graphs  the same, every block graphed: fsdp_graph.make_train_step with
                      GraphConfig(strategy="layer", modules=<the block class>)
+  ours_layer_graphs_eager_fsdp  the same with GraphConfig(collective_graphs=False): the units'
+                     unshard and reduce run eagerly between the graphed blocks (the system before
+                     collective graphs, for comparison in the same run)
   ours_full_iteration  the same, the whole step (collectives and a capturable AdamW step
                      included) as one graph: fsdp_graph.make_train_step with
                      GraphConfig(strategy="full_iteration")
@@ -61,8 +64,10 @@ from gpt import CONFIGS, GPT, GPTConfig  # noqa: E402
 from hot_path import HotPathTimer  # noqa: E402
 from step_profile import kernel_breakdown  # noqa: E402
 
-SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_full_iteration", "floor")
-GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_full_iteration", "floor")
+SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp",
+           "ours_full_iteration", "floor")
+GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp", "ours_full_iteration",
+                 "floor")
 WHOLE_GRAPH_SYSTEMS = ("fsdp2_full_graph", "floor")
 LOSS_RTOL = 1e-2  # bf16 compute: different reduction orders drift apart by far less than this
 LR = 3e-4
@@ -223,14 +228,18 @@ def ours_eager(bench, env, batches, warmup):
     return train_step(model, make_optimizer(model, capturable=True)), None
 
 
-def ours_layer_graphs(bench, env, batches, warmup):
+def ours_layer_graphs(bench, env, batches, warmup, collective_graphs=True):
     """Every block graphed (captured now, from an example forward on the first batch)."""
     model = ours_sharded(bench, env)
     block_class = type(blocks_of(model)[0])  # FSDP<Block>, which every sharded block is
-    config = fsdp_graph.GraphConfig(strategy="layer", modules=block_class)
+    config = fsdp_graph.GraphConfig(strategy="layer", modules=block_class, collective_graphs=collective_graphs)
     opt = make_optimizer(model, capturable=True)
     step = fsdp_graph.make_train_step(loss_fn_of(model), model, opt, config=config, example_batch=batches[0])
     return owning(step, model, opt), None
+
+
+def ours_layer_graphs_eager_fsdp(bench, env, batches, warmup):
+    return ours_layer_graphs(bench, env, batches, warmup, collective_graphs=False)
 
 
 def ours_full_iteration(bench, env, batches, warmup):

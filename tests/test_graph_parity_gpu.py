@@ -2,7 +2,9 @@
 
 Same seed, same batches, AdamW: 20 steps eager, 20 steps with graphed modules; every step's loss
 and the final full state dict must be equal bit for bit (atol = rtol = 0), for several choices of
-what is graphed, and for a model whose oversized block cannot use the double-buffer slots.
+what is graphed, and for a model whose oversized block cannot use the double-buffer slots. The
+units' unshard and reduce bodies are replayed as graphs too (``collective_graphs``, the default),
+except for the oversized block (it stages its collectives on its own) and where switched off.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_graph
+from fsdp_graph.fsdp.registry import units_in
 
 from dist_harness import run_ranks
 from examples.gpt import GPT, GPTConfig
@@ -62,7 +65,8 @@ def _batch(step: int, info) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _train(info, selection: str | None, oversized_block: bool, graph_at_step: int = 0, mesh_shape=None):
+def _train(info, selection: str | None, oversized_block: bool, graph_at_step: int = 0, mesh_shape=None,
+           collective_graphs: bool = True):
     model = _build(info, oversized_block, mesh_shape)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     graphed = []
@@ -75,21 +79,38 @@ def _train(info, selection: str | None, oversized_block: bool, graph_at_step: in
             sample = torch.randn(
                 MICRO_BATCH, CFG.seq_len, CFG.d_model, device=info.device, dtype=dtype, requires_grad=True
             )
-            graphed = fsdp_graph.graph_modules(modules, [(sample,)] * len(modules))
+            graphed = fsdp_graph.graph_modules(modules, [(sample,)] * len(modules),
+                                               collective_graphs=collective_graphs)
         _, loss = model(*_batch(step, info))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
     assert all(g.replays == STEPS - graph_at_step for g in graphed), [g.replays for g in graphed]  # no silent eager
+    if selection is not None:
+        _check_collective_replays(model, selection, oversized_block, STEPS - graph_at_step, collective_graphs)
     return torch.stack(losses), fsdp_graph.full_state_dict(model)
 
 
+def _check_collective_replays(model: GPT, selection: str, oversized_block: bool, steps: int, on: bool) -> None:
+    """The units of the graphed modules replayed their unshard and reduce bodies (at least the
+    reduce's two bodies from the second step on), or never, where nothing may."""
+    graphed_blocks = {1, 3} if selection == "blocks_1_3" else set(range(CFG.n_layers))
+    for i, block in enumerate(model.blocks):
+        unit = units_in(block)[0]
+        graphs = unit.param_group.collective_graphs
+        replays = 0 if graphs is None else graphs.replays
+        if on and i in graphed_blocks and not (oversized_block and i == 1):
+            assert replays >= 2 * (steps - 1), f"block {i} replayed its FSDP steps {replays} times in {steps} steps"
+        else:
+            assert replays == 0, f"block {i} replayed {replays} FSDP steps but may not"
+
+
 def _eager_and_graphed_agree(info, selection: str, oversized_block: bool, graph_at_step: int,
-                             mesh_shape=None) -> None:
+                             mesh_shape=None, collective_graphs: bool = True) -> None:
     torch.use_deterministic_algorithms(True)  # flash attention's backward is otherwise nondeterministic
     eager_losses, eager_state = _train(info, None, oversized_block, mesh_shape=mesh_shape)
-    losses, state = _train(info, selection, oversized_block, graph_at_step, mesh_shape)
+    losses, state = _train(info, selection, oversized_block, graph_at_step, mesh_shape, collective_graphs)
     differing = [i for i in range(STEPS) if not torch.equal(losses[i], eager_losses[i])]
     assert not differing, (
         f"losses differ from step {differing[0]}: graphed {losses.tolist()} eager {eager_losses.tolist()}"
@@ -101,16 +122,19 @@ def _eager_and_graphed_agree(info, selection: str, oversized_block: bool, graph_
 
 
 @pytest.mark.parametrize(
-    "selection, oversized_block, graph_at_step, mesh_shape",
+    "selection, oversized_block, graph_at_step, mesh_shape, collective_graphs",
     [
-        ("blocks", False, 0, None),
-        ("attention", False, 0, None),
-        ("mlp", False, 0, None),
-        ("blocks", True, 0, None),  # block 1 does not fit a slot: its own persistent buffer
-        ("blocks_1_3", False, 3, None),  # a subset, graphed between steps of a running training
-        ("blocks", False, 0, (2, 1)),  # HSDP: replicated across the two GPUs, all-reduced
+        ("blocks", False, 0, None, True),
+        ("blocks", False, 0, None, False),  # the FSDP steps eager between the graphed blocks
+        ("attention", False, 0, None, True),
+        ("mlp", False, 0, None, True),
+        ("blocks", True, 0, None, True),  # block 1 does not fit a slot: its own persistent buffer
+        ("blocks_1_3", False, 3, None, True),  # a subset, graphed between steps of a running training
+        ("blocks", False, 0, (2, 1), True),  # HSDP: replicated across the two GPUs, all-reduced
     ],
 )
-def test_graphed_training_is_bitwise_equal_to_eager(selection, oversized_block, graph_at_step, mesh_shape):
+def test_graphed_training_is_bitwise_equal_to_eager(selection, oversized_block, graph_at_step, mesh_shape,
+                                                    collective_graphs):
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # inherited by the ranks; needed by deterministic cuBLAS
-    run_ranks(_eager_and_graphed_agree, 2, selection, oversized_block, graph_at_step, mesh_shape)
+    run_ranks(_eager_and_graphed_agree, 2, selection, oversized_block, graph_at_step, mesh_shape,
+              collective_graphs)

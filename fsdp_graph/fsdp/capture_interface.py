@@ -16,6 +16,8 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
   it later is refused instead of leaving the graph reading stale addresses;
 * ``release_before_destroy``: a graph that captured collectives registers to be released before
   the default or an NCCL process group is destroyed (``communicator_graphs.py``);
+* collective graphs (``replay_collectives``): the graph strategies replay the units' unshard and
+  reduce bodies as small CUDA graphs on their side streams;
 * per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
   ``grads.pin_sharded()``, ``grads.expose_sharded()``.
 
@@ -24,6 +26,9 @@ Nothing here imports the graph layer: the engine does not know it exists.
 
 from __future__ import annotations
 
+import torch
+
+from .collective_graphs import CollectiveGraphs
 from .communicator_graphs import hold as release_before_destroy
 from .hooks import (
     BACKWARD_PRE_SENTINEL,
@@ -54,6 +59,7 @@ __all__ = [
     "pre_backward_handler",
     "pre_forward_unshard",
     "release_before_destroy",
+    "replay_collectives",
     "require_fixed_addresses",
     "root_contexts",
     "units_in",
@@ -70,3 +76,14 @@ def require_fixed_addresses(unit: FSDPUnit, what: str) -> None:
             "re-allocated per unshard and move between iterations, but a CUDA graph replays fixed addresses. "
             "Pass double_buffer=True and persist_buffer_on_alloc_fail=True to fully_shard (the defaults)."
         )
+
+
+def replay_collectives(units: list[FSDPUnit], enabled: bool) -> None:
+    """Switch the replay of ``units``' unshard and reduce bodies as CUDA graphs on or off. A unit that
+    replays already keeps its graphs; the new ones share one memory pool (they allocate nothing)."""
+    pool = torch.cuda.graph_pool_handle() if enabled else None
+    for unit in units:
+        if not enabled:
+            unit.replay_collectives(None)
+        elif unit.param_group.collective_graphs is None:
+            unit.replay_collectives(CollectiveGraphs(pool))

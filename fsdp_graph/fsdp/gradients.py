@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import CommScratch, FlatBuffers, GradBuffer
+from .collective_graphs import CollectiveGraphs, can_replay
 from .collectives import CommStreams, all_reduce, collective_failed, reduce_scatter_sum
 from .flat_layout import FlatLayout
 from .mesh import ShardMesh, local_tensor
@@ -55,6 +56,7 @@ class UnitGradients:
         self._target: GradBuffer | None = None
         self._copy_in_sources: dict[int, tuple] = {}  # id(target) -> (target, its padded views)
         self._staging: tuple | None = None  # (scratch, reduce_in by rank, reduce_in, reduce_out) of this unit
+        self.collective_graphs: CollectiveGraphs | None = None  # the reduce replayed as graphs (graph strategies)
 
     def refresh_trainable(self) -> None:
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
@@ -125,25 +127,42 @@ class UnitGradients:
             streams.shared_with_side_streams(target.tensor)
             target.side_streams_noted = True
         with streams.enter(streams.reduce):
+            graphs = self.collective_graphs if shared and can_replay(self.collective_graphs) else None
             # Staging of its own (see ``buffers.CommScratch``) is allocated on this stream and freed
             # when this function returns: the allocator hands the block only to later work of this
             # stream, which is queued after these kernels.
             by_rank, grads, reduced = self._staging[1:] if shared else self._staging_views(
                 torch.empty(layout.gathered_numel, dtype=scratch.dtypes.reduce, device=self.device),
                 torch.empty(layout.shard_numel, dtype=scratch.dtypes.reduce, device=self.device))
-            layout.copy_in(self._sources(target), by_rank)
-            target.tensor[: layout.unsharded_numel].zero_()  # ready for the next backward, off its path
+            sources = self._sources(target)
+            if graphs is None:
+                self._copy_in(sources, by_rank, target)
+            else:
+                key = (target.tensor.data_ptr(), grads.data_ptr(), reduced.data_ptr())
+                graphs.run("copy_in", key, lambda: self._copy_in(sources, by_rank, target))
             target.zeroed = True
             target.reduce_done = streams.record(streams.reduce)  # the target is free again
-            try:
-                reduce_scatter_sum(reduced, grads, self.group)
-                all_reduce(reduced, self.replicate_group)
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError as err:  # gloo: a peer that never joined (timeout) or died
-                raise collective_failed("gradient reduce-scatter", self.name, err) from err
+            if graphs is None:
+                self._reduce_scatter(grads, reduced)
+            else:
+                graphs.run("reduce_scatter", key, lambda: self._reduce_scatter(grads, reduced))
             self._accumulate_sharded(reduced, current)
             self._run_post_accumulate_hooks()
+
+    def _copy_in(self, sources: list[torch.Tensor], by_rank: list[torch.Tensor], target: GradBuffer) -> None:
+        """The gradients into the staging in rank order (reduce dtype); the target zeroed for the
+        next backward, off its path."""
+        self.layout.copy_in(sources, by_rank)
+        target.tensor[: self.layout.unsharded_numel].zero_()
+
+    def _reduce_scatter(self, grads: torch.Tensor, reduced: torch.Tensor) -> None:
+        try:
+            reduce_scatter_sum(reduced, grads, self.group)
+            all_reduce(reduced, self.replicate_group)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:  # gloo: a peer that never joined (timeout) or died
+            raise collective_failed("gradient reduce-scatter", self.name, err) from err
 
     def _staging_views(self, reduce_in: torch.Tensor, reduce_out: torch.Tensor) -> tuple:
         """The copy-in's rows by rank, the reduce-scatter's input and its output."""

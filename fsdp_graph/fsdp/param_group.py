@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .buffers import BufferDtypes, CommScratch, FlatBuffers, Placement, SlotPool
+from .collective_graphs import CollectiveGraphs, can_replay
 from .collectives import CommStreams, all_gather_inplace, collective_failed
 from .flat_layout import FlatLayout
 from .mesh import ShardMesh
@@ -87,6 +88,7 @@ class ParamGroup:
         self._param_flat: torch.Tensor | None = None
         self._unshard_event = None
         self._gathered_at = (-1, -1)  # (master writes noted, master_flat's version) when last gathered
+        self.collective_graphs: CollectiveGraphs | None = None  # the unshard replayed as a graph (graph strategies)
 
     # -- placement ------------------------------------------------------------------------
     def bind(self, placement: Placement, pool: SlotPool | None, scratch: CommScratch, streams: CommStreams) -> None:
@@ -94,6 +96,8 @@ class ParamGroup:
         self.placement, self._pool, self.scratch, self._streams = placement, pool, scratch, streams
         self.buffers, self.state, self._unshard_event = None, ShardState.SHARDED, None
         self._shared_staging = None
+        if self.collective_graphs is not None:
+            self.collective_graphs.forget()
         if self.layout.shard_numel and scratch.fits(self.layout.gathered_numel):
             scratch.allocate_staging()
             streams.shared_with_side_streams(scratch.gather, scratch.reduce_in, scratch.reduce_out)
@@ -170,21 +174,30 @@ class ParamGroup:
         self._gathered_at = (_master_writes[0], self.master_flat._version)
         if layout.shard_numel:
             with streams.enter(streams.all_gather):
-                # Staging of its own (a unit larger than the shared one) is allocated on this stream and
-                # freed when this function returns: the allocator hands the block only to later work
-                # of this stream, which is queued after these reads.
-                gathered, own_shard, by_rank = self._shared_staging or self._staging_views(
-                    torch.empty(layout.gathered_numel, dtype=self.dtypes.compute, device=self.device))
-                own_shard.copy_(self.master_flat)
-                try:
-                    all_gather_inplace(gathered, layout.shard_numel, self.group)
-                except torch.OutOfMemoryError:
-                    raise
-                except RuntimeError as err:  # gloo: a peer that never joined (timeout) or died
-                    raise collective_failed("all-gather", self.name, err) from err
-                layout.copy_out(by_rank, self._copy_out_targets)
+                shared = self._shared_staging
+                fixed = shared is not None and self.placement is not Placement.DYNAMIC
+                if fixed and can_replay(self.collective_graphs):
+                    key = (self.master_flat.data_ptr(), shared[0].data_ptr(), self._param_flat.data_ptr())
+                    self.collective_graphs.run("unshard", key, lambda: self._gather(*shared))
+                else:
+                    # Staging of its own (a unit larger than the shared one) is allocated on this stream and
+                    # freed when this function returns: the allocator hands the block only to later work
+                    # of this stream, which is queued after these reads.
+                    self._gather(*(shared or self._staging_views(
+                        torch.empty(layout.gathered_numel, dtype=self.dtypes.compute, device=self.device))))
                 self._unshard_event = streams.record(streams.all_gather)
         return True
+
+    def _gather(self, gathered: torch.Tensor, own_shard: torch.Tensor, by_rank: list[torch.Tensor]) -> None:
+        """Cast the master shard into place, all-gather, copy out into the unsharded parameters."""
+        own_shard.copy_(self.master_flat)
+        try:
+            all_gather_inplace(gathered, self.layout.shard_numel, self.group)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:  # gloo: a peer that never joined (timeout) or died
+            raise collective_failed("all-gather", self.name, err) from err
+        self.layout.copy_out(by_rank, self._copy_out_targets)
 
     def _staging_views(self, gather: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """The all-gather's output in ``gather``, this rank's part of it, and its rows by rank."""

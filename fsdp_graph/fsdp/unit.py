@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .buffers import BufferDtypes, CommScratch, Placement, PlacementRequest, SlotPool
+from .collective_graphs import CollectiveGraphs
 from .collectives import CommStreams
 from .gradients import UnitGradients
 from .mesh import ShardMesh
@@ -147,6 +148,11 @@ class FSDPUnit:
 
     def take_slot(self) -> None:
         self.param_group.take_slot()
+
+    def replay_collectives(self, graphs: CollectiveGraphs | None) -> None:
+        """Replay this unit's unshard and reduce bodies as CUDA graphs (``collective_graphs.py``), or
+        run them eagerly again (None)."""
+        self.param_group.collective_graphs = self.grads.collective_graphs = graphs
 
     def _refuse_unbound(self, step: str) -> None:
         raise RuntimeError(

@@ -58,7 +58,7 @@ def make_train_step(
     micro = body.micro_batches(example)[0]
     samples = _samples(model, modules, lambda: loss_fn(*micro))
     graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
-                  num_warmup_iters=config.num_warmup_iters)
+                  num_warmup_iters=config.num_warmup_iters, collective_graphs=config.collective_graphs)
     return body
 
 
@@ -75,7 +75,8 @@ def make_eval_step(model: nn.Module, *, config: GraphConfig | None = None, examp
     with eval_mode(model), torch.no_grad():
         samples = _samples(model, modules, lambda: model(*example))
     graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
-                  num_warmup_iters=config.num_warmup_iters, forward_only=True)
+                  num_warmup_iters=config.num_warmup_iters, forward_only=True,
+                  collective_graphs=config.collective_graphs)
     return EvalStep(model)
 
 

@@ -1,0 +1,86 @@
+"""A unit's FSDP steps (cast, all-gather, copy-out; copy-in, zeroing, reduce-scatter) replayed as
+small CUDA graphs on their side streams.
+
+Between per-layer graphs, the host issues each unit's unshard and reduce: four to six kernels and
+NCCL calls, 300-600 µs of Python per unit and step (``docs/performance.md``). Every tensor those
+steps touch is persistent for a unit in a slot or a dedicated buffer that fits the shared staging:
+the master shard, the staging, the unsharded parameter and gradient buffers. So each body is
+captured once, on the stream it runs on, and replayed afterwards: one launch in place of the
+kernels and collectives. Nothing else changes: the same side streams, the same events around the
+bodies, the same kernels (so the results are bitwise those of the eager bodies).
+
+A body runs eagerly the first time it meets a set of addresses (NCCL initialises its communicator
+lazily, and a capture must not), is captured the second time, and replayed from then on. The key
+is the addresses the body reads and writes: a unit whose buffers move (a re-plan) captures again.
+Nothing is captured while the stream is capturing already (a whole-step graph records the bodies
+themselves), and nothing is allocated inside the graphs: their bodies write only into persistent
+buffers. The capture uses ``capture_error_mode="thread_local"``, so NCCL's watchdog thread may
+query its events meanwhile; NCCL orders captured and eager collectives of one communicator itself
+(``NCCL_GRAPH_MIXING_SUPPORT``, on by default).
+
+The graphs hold resources of their NCCL communicator, and NCCL's destroy waits for them: they are
+released before any process group is destroyed (``communicator_graphs.py``; without that,
+``destroy_process_group`` hung in every run on 2 × H200).
+
+What NCCL's watchdog cannot see is a replayed collective: it times out eager collectives only.
+That is why the replay is something the graph strategies switch on (``graph_modules``'s
+``collective_graphs``), never the eager default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .communicator_graphs import hold
+
+
+class CollectiveGraphs:
+    """One unit's captured step bodies, by name and address key (see the module docstring)."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool  # shared by the graphs of one model; they allocate nothing
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # None: ran eagerly once
+        self.replays = 0  # for tests and the benchmark's report
+
+    def run(self, name: str, key: tuple, body: Callable[[], None]) -> None:
+        """Run ``body`` on the current (side) stream: replayed if captured, else eagerly or captured."""
+        entry = (name, key)
+        graph = self._graphs.get(entry, False)
+        if graph is False:
+            body()
+            self._graphs[entry] = None
+            return
+        if graph is None:
+            graph = self._capture(body)
+            self._graphs[entry] = graph
+            hold(self)
+        graph.replay()
+        self.replays += 1
+
+    def _capture(self, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        try:
+            body()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # the capture was invalidated by the failure: the first error is the one to report
+            raise
+        graph.capture_end()
+        return graph
+
+    def forget(self) -> None:
+        """Drop every graph (the unit's buffers were planned again)."""
+        self._graphs.clear()
+
+    release = forget  # before a process group is destroyed (``communicator_graphs.release_graphs``)
+
+
+def can_replay(graphs: CollectiveGraphs | None) -> bool:
+    """Whether a body may run through ``graphs`` now: switched on, and the current stream is not
+    being captured (a whole-step or layer capture records the body itself)."""
+    return graphs is not None and not torch.cuda.is_current_stream_capturing()
