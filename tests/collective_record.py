@@ -88,6 +88,20 @@ def _where() -> str:
     return inner or fallback or "?"
 
 
+def _record_replays(record: CollectiveRecord) -> None:
+    """A unit step replayed as a graph (``collective_graphs.py``) issues its collective without
+    calling the functions above: note the replay (or capture) of the body by its name instead."""
+    from fsdp_graph.fsdp.collective_graphs import CollectiveGraphs
+
+    run = CollectiveGraphs.run
+
+    @functools.wraps(run)
+    def recorded_run(self, name, key, body):
+        return record.wrap(f"graph of {name}", lambda *_: run(self, name, key, body))()
+
+    CollectiveGraphs.run = recorded_run
+
+
 def record_collectives(path: str, dump_after_s: float) -> CollectiveRecord:
     """Install the record in this process; it is written to ``path`` after ``dump_after_s`` seconds
     (a rank still running then is about to be reported as hung)."""
@@ -103,6 +117,7 @@ def record_collectives(path: str, dump_after_s: float) -> CollectiveRecord:
             setattr(module, name, record.wrap(name, fn, group_arg))
     for name in _TORCH:
         setattr(dist, name, record.wrap(f"torch.distributed.{name}", getattr(dist, name)))
+    _record_replays(record)
     timer = threading.Timer(dump_after_s, record.dump, args=(path,))
     timer.daemon = True
     timer.start()

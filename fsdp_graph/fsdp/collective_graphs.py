@@ -13,8 +13,11 @@ A body runs eagerly the first time it meets a set of addresses (NCCL initialises
 lazily, and a capture must not), is captured the second time, and replayed from then on. The key
 is the addresses the body reads and writes: a unit whose buffers move (a re-plan) captures again.
 Nothing is captured while the stream is capturing already (a whole-step graph records the bodies
-themselves), and nothing is allocated inside the graphs: their bodies write only into persistent
-buffers. The capture uses ``capture_error_mode="thread_local"``, so NCCL's watchdog thread may
+themselves). The bodies write only into persistent buffers; the one allocation inside them is the
+small metadata tensor ``split_with_sizes_copy`` and ``_chunk_cat`` copy to the device, taken from
+the graphs' shared pool. That is safe because the caching allocator reuses a block only on the
+stream that freed it, and all unshard graphs replay in order on one stream, all reduce graphs on
+the other. The capture uses ``capture_error_mode="thread_local"``, so NCCL's watchdog thread may
 query its events meanwhile; NCCL orders captured and eager collectives of one communicator itself
 (``NCCL_GRAPH_MIXING_SUPPORT``, on by default).
 
@@ -29,6 +32,7 @@ That is why the replay is something the graph strategies switch on (``graph_modu
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -42,40 +46,52 @@ class CollectiveGraphs:
     def __init__(self, pool) -> None:
         self.pool = pool  # shared by the graphs of one model; they allocate nothing
         self._graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # None: ran eagerly once
-        self.replays = 0  # for tests and the benchmark's report
+        self._eager_only: set[tuple] = set()  # bodies whose capture failed: eager from then on
+        self.replays: dict[str, int] = {}  # by body name, for tests and the benchmark's report
 
     def run(self, name: str, key: tuple, body: Callable[[], None]) -> None:
         """Run ``body`` on the current (side) stream: replayed if captured, else eagerly or captured."""
         entry = (name, key)
         graph = self._graphs.get(entry, False)
-        if graph is False:
+        if graph is False or entry in self._eager_only:
             body()
             self._graphs[entry] = None
             return
         if graph is None:
-            graph = self._capture(body)
+            try:
+                graph = self._capture(body)
+            except BaseException:
+                self._eager_only.add(entry)  # the error is raised once; the next call runs eagerly
+                raise
             self._graphs[entry] = graph
             hold(self)
         graph.replay()
-        self.replays += 1
+        self.replays[name] = self.replays.get(name, 0) + 1
 
     def _capture(self, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        collecting = gc.isenabled()
+        gc.disable()  # a collection during capture could free tensors other streams still use
         try:
-            body()
-        except BaseException:
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
-                graph.capture_end()
-            except RuntimeError:
-                pass  # the capture was invalidated by the failure: the first error is the one to report
-            raise
-        graph.capture_end()
+                body()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except RuntimeError:
+                    pass  # the capture was invalidated by the failure: the first error is the one to report
+                raise
+            graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
         return graph
 
     def forget(self) -> None:
         """Drop every graph (the unit's buffers were planned again)."""
         self._graphs.clear()
+        self._eager_only.clear()
 
     release = forget  # before a process group is destroyed (``communicator_graphs.release_graphs``)
 

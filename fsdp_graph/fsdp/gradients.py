@@ -127,6 +127,7 @@ class UnitGradients:
             streams.shared_with_side_streams(target.tensor)
             target.side_streams_noted = True
         with streams.enter(streams.reduce):
+            # (A unit with collective graphs has fixed addresses: graph_modules requires them.)
             graphs = self.collective_graphs if shared and can_replay(self.collective_graphs) else None
             # Staging of its own (see ``buffers.CommScratch``) is allocated on this stream and freed
             # when this function returns: the allocator hands the block only to later work of this
