@@ -28,6 +28,11 @@ released before any process group is destroyed (``communicator_graphs.py``; with
 What NCCL's watchdog cannot see is a replayed collective: it times out eager collectives only.
 That is why the replay is something the graph strategies switch on (``graph_modules``'s
 ``collective_graphs``), never the eager default.
+
+A capture that fails raises once; that body runs eagerly from then on (same results). If CUDA
+invalidated the capture, torch's ``capture_end`` raises before it hands the side stream's
+allocations back from the graphs' pool, so later eager staging of that stream may keep coming from
+the pool: correct, but held until the process ends.
 """
 
 from __future__ import annotations

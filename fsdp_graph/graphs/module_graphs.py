@@ -253,7 +253,8 @@ def graph_modules(
 
     ``collective_graphs``: replay the enclosing FSDP units' unshard (cast, all-gather, copy-out)
     and reduce (copy-in, zeroing, reduce-scatter) as CUDA graphs on their side streams, captured
-    at their second run; False runs them eagerly (NCCL's watchdog then times them out).
+    at their second run; False runs them eagerly (NCCL's watchdog then times them out). The setting
+    is per unit: a later call that covers the same units sets it again for them.
     """
     if not isinstance(collective_graphs, bool):
         raise TypeError(f"graph_modules: collective_graphs must be True or False, got {collective_graphs!r}")
