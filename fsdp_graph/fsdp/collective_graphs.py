@@ -30,9 +30,9 @@ That is why the replay is something the graph strategies switch on (``graph_modu
 ``collective_graphs``), never the eager default.
 
 A capture that fails raises once; that body runs eagerly from then on (same results). If CUDA
-invalidated the capture, torch's ``capture_end`` raises before it hands the side stream's
-allocations back from the graphs' pool, so later eager staging of that stream may keep coming from
-the pool: correct, but held until the process ends.
+invalidated the capture, torch's ``capture_end`` raises before it takes the pool off the
+allocator's list of captures under way, so every later capture into the shared pool fails as well
+(each raising once, then eager): known, and to be fixed by giving the other units a fresh pool.
 """
 
 from __future__ import annotations
