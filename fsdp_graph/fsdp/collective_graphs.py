@@ -29,10 +29,12 @@ What NCCL's watchdog cannot see is a replayed collective: it times out eager col
 That is why the replay is something the graph strategies switch on (``graph_modules``'s
 ``collective_graphs``), never the eager default.
 
-A capture that fails raises once; that body runs eagerly from then on (same results). If CUDA
-invalidated the capture, torch's ``capture_end`` raises before it takes the pool off the
-allocator's list of captures under way, so every later capture into the shared pool fails as well
-(each raising once, then eager): known, and to be fixed by giving the other units a fresh pool.
+A capture that fails raises once; that body runs eagerly from then on (same results). Known
+defect: if CUDA invalidated the capture, torch's ``capture_end`` raises before it takes the pool
+off the allocator's list of captures under way. The allocator then behaves as if a capture were
+running for good (blocks freed after ``record_stream`` are not recycled, ``empty_cache`` asserts),
+and every later capture into the shared pool fails too (each raising once, then eager). The fix
+(end that routing, move the other units to a fresh pool) waits for a GPU run.
 """
 
 from __future__ import annotations
