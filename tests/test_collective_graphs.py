@@ -1,36 +1,62 @@
 """``CollectiveGraphs.run``'s life cycle, on CPU with a stand-in for ``torch.cuda.CUDAGraph`` (the
 GPU parity tests, ``test_graph_parity_gpu.py``, replay the real graphs): a body runs eagerly at
 its first call with a set of addresses, is captured at the second and replayed from then on; new
-addresses start over; a capture that fails leaves that body eager for good."""
+addresses start over; a capture that fails leaves that body eager for good, says which unit and
+body and how to switch the replay off, and does not spoil the other units' captures. Which units
+replay is a per-unit choice that an evaluation step with the default setting leaves alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fsdp_graph.fsdp.collective_graphs import CollectiveGraphs
+from fsdp_graph.fsdp.capture_interface import replay_collectives, units_in
+from fsdp_graph.fsdp.collective_graphs import CollectiveGraphCaptureError, CollectiveGraphs, GraphPool
+
+from models import build, shard
+
+_pools_capturing: set = set()  # as torch's allocator: pools with a capture under way
 
 
 class _StandInGraph:
-    """Records what a CUDA graph would: the body runs between capture_begin and capture_end."""
+    """Records what a CUDA graph would: the body runs between capture_begin and capture_end. Like
+    torch, a capture_end that fails (an invalidated capture) leaves its pool registered, and a
+    capture into a registered pool is refused."""
+
+    invalidate_next = False
 
     def __init__(self) -> None:
         self.replayed = 0
 
     def capture_begin(self, pool=None, capture_error_mode="global") -> None:
         assert capture_error_mode == "thread_local"  # NCCL's watchdog thread may query events meanwhile
+        if pool in _pools_capturing:
+            raise RuntimeError(f"beginAllocateToPool: already recording to mempool_id {pool}")
+        _pools_capturing.add(pool)
+        self.pool = pool
 
     def capture_end(self) -> None:
-        pass
+        if _StandInGraph.invalidate_next:
+            _StandInGraph.invalidate_next = False
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        _pools_capturing.discard(self.pool)
 
     def replay(self) -> None:
         self.replayed += 1
 
 
 @pytest.fixture
-def graphs(monkeypatch):
+def stand_in(monkeypatch):
+    handles = iter(range(1, 1000))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _StandInGraph)
-    return CollectiveGraphs(pool=None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
+    monkeypatch.setattr("fsdp_graph.fsdp.collective_graphs.hold", lambda holder: None)  # no real graphs to release
+    _pools_capturing.clear()
+
+
+@pytest.fixture
+def graphs(stand_in):
+    return CollectiveGraphs(GraphPool(), "blocks.3")
 
 
 def test_a_body_runs_eagerly_then_is_captured_then_replays(graphs):
@@ -56,8 +82,39 @@ def test_a_capture_that_fails_raises_once_and_leaves_the_body_eager(graphs):
             raise RuntimeError("operation not permitted when stream is capturing")
 
     graphs.run("reduce_scatter", (1,), body)
-    with pytest.raises(RuntimeError, match="not permitted"):
+    with pytest.raises(CollectiveGraphCaptureError, match=r"FSDP unit blocks.3: capturing its reduce_scatter as a "
+                       r"CUDA graph failed: operation not permitted .*collective_graphs=False"):
         graphs.run("reduce_scatter", (1,), body)
     graphs.run("reduce_scatter", (1,), body)
     graphs.run("reduce_scatter", (1,), body)
     assert len(calls) == 4 and graphs.replays == {}
+
+
+def test_an_invalidated_capture_leaves_the_other_units_captures_working(stand_in):
+    pool = GraphPool()
+    first, second = CollectiveGraphs(pool, "blocks.0"), CollectiveGraphs(pool, "blocks.1")
+    body = lambda: None  # noqa: E731
+    first.run("unshard", (1,), body)
+    _StandInGraph.invalidate_next = True
+    with pytest.raises(CollectiveGraphCaptureError, match="blocks.0: capturing its unshard"):
+        first.run("unshard", (1,), body)
+    second.run("unshard", (2,), body)
+    second.run("unshard", (2,), body)  # captured into a fresh pool: the failed one is still registered
+    second.run("unshard", (2,), body)
+    assert second.replays == {"unshard": 2} and first.replays == {}
+
+
+def test_an_earlier_choice_per_unit_is_kept_by_a_later_default(stand_in):
+    model = shard(build(torch.device("cpu"))[0])
+    units = [u for u in units_in(model) if u.module is not model]
+    on = lambda: [u.param_group.collective_graphs is not None for u in units]  # noqa: E731
+    replay_collectives(units, None)  # nobody chose: on
+    assert all(on()) and all(u.grads.collective_graphs is u.param_group.collective_graphs for u in units)
+    kept = [u.param_group.collective_graphs for u in units]
+    replay_collectives(units, None)
+    assert [u.param_group.collective_graphs for u in units] == kept  # graphs already made are kept
+    replay_collectives(units[:1], False)  # training chose eager FSDP steps for one unit
+    replay_collectives(units, None)  # an evaluation step with the default
+    assert on() == [False] + [True] * (len(units) - 1)
+    replay_collectives(units, True)
+    assert all(on())

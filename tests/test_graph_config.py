@@ -35,9 +35,9 @@ def test_config_values_are_normalised_or_refused_with_the_choices():
         validate_graph_config(GraphConfig(num_warmup_iters=0), model)
     with pytest.raises(TypeError, match="expected a fsdp_graph.GraphConfig"):
         validate_graph_config({"strategy": "layer"}, model)
-    with pytest.raises(TypeError, match="collective_graphs must be True or False, got 'off'"):
+    with pytest.raises(TypeError, match="collective_graphs must be True, False or None, got 'off'"):
         validate_graph_config(GraphConfig(strategy="layer", collective_graphs="off"), model)
-    with pytest.raises(TypeError, match="graph_modules: collective_graphs must be True or False, got 0"):
+    with pytest.raises(TypeError, match="graph_modules: collective_graphs must be True, False or None, got 0"):
         fsdp_graph.graph_modules(list(model.children())[:1], [()], collective_graphs=0)
 
 

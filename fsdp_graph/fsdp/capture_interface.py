@@ -26,9 +26,7 @@ Nothing here imports the graph layer: the engine does not know it exists.
 
 from __future__ import annotations
 
-import torch
-
-from .collective_graphs import CollectiveGraphs
+from .collective_graphs import CollectiveGraphs, GraphPool
 from .communicator_graphs import hold as release_before_destroy
 from .hooks import (
     BACKWARD_PRE_SENTINEL,
@@ -78,12 +76,16 @@ def require_fixed_addresses(unit: FSDPUnit, what: str) -> None:
         )
 
 
-def replay_collectives(units: list[FSDPUnit], enabled: bool) -> None:
-    """Switch the replay of ``units``' unshard and reduce bodies as CUDA graphs on or off. A unit that
-    replays already keeps its graphs; the new ones share one memory pool (they allocate nothing)."""
-    pool = torch.cuda.graph_pool_handle() if enabled else None
+def replay_collectives(units: list[FSDPUnit], enabled: bool | None) -> None:
+    """Switch the replay of ``units``' unshard and reduce bodies as CUDA graphs on (True) or off
+    (False); None keeps the choice an earlier call made for a unit, and switches on a unit no call
+    has chosen for (so an evaluation step with the default leaves training's choice alone). A
+    unit that replays already keeps its graphs; the new ones share one memory pool."""
+    pool = GraphPool()
     for unit in units:
-        if not enabled:
+        if enabled is not None:
+            unit.collective_graphs_chosen = enabled
+        if unit.collective_graphs_chosen is False:
             unit.replay_collectives(None)
         elif unit.param_group.collective_graphs is None:
-            unit.replay_collectives(CollectiveGraphs(pool))
+            unit.replay_collectives(CollectiveGraphs(pool, unit.name))

@@ -14,12 +14,16 @@ lazily, and a capture must not), is captured the second time, and replayed from 
 is the addresses the body reads and writes: a unit whose buffers move (a re-plan) captures again.
 Nothing is captured while the stream is capturing already (a whole-step graph records the bodies
 themselves). The bodies write only into persistent buffers; the one allocation inside them is the
-small metadata tensor ``split_with_sizes_copy`` and ``_chunk_cat`` copy to the device, taken from
-the graphs' shared pool. That is safe because the caching allocator reuses a block only on the
-stream that freed it, and all unshard graphs replay in order on one stream, all reduce graphs on
-the other. The capture uses ``capture_error_mode="thread_local"``, so NCCL's watchdog thread may
-query its events meanwhile; NCCL orders captured and eager collectives of one communicator itself
-(``NCCL_GRAPH_MIXING_SUPPORT``, on by default).
+small metadata tensor ``split_with_sizes_copy`` and ``_chunk_cat`` copy to the device (from a
+pinned host buffer), taken from the graphs' shared pool. That is safe because the caching
+allocator reuses a device block only on the stream that freed it, and all unshard graphs replay in
+order on one stream, all reduce graphs on the other; torch keeps pinned host blocks used in a
+capture out of reuse (the whole-step graph relies on the same). The capture uses
+``capture_error_mode="thread_local"``, so NCCL's watchdog thread may query its events meanwhile;
+NCCL orders captured and eager collectives of one communicator itself
+(``NCCL_GRAPH_MIXING_SUPPORT``, on by default). Bitwise equality with the eager bodies is tested
+on 2 ranks (``tests/test_graph_parity_gpu.py``), where a sum does not depend on its order; with
+more ranks NCCL could choose another reduce-scatter algorithm under capture than eagerly.
 
 The graphs hold resources of their NCCL communicator, and NCCL's destroy waits for them: they are
 released before any process group is destroyed (``communicator_graphs.py``; without that,
@@ -29,12 +33,11 @@ What NCCL's watchdog cannot see is a replayed collective: it times out eager col
 That is why the replay is something the graph strategies switch on (``graph_modules``'s
 ``collective_graphs``), never the eager default.
 
-A capture that fails raises once; that body runs eagerly from then on (same results). Known
-defect: if CUDA invalidated the capture, torch's ``capture_end`` raises before it takes the pool
-off the allocator's list of captures under way. The allocator then behaves as if a capture were
-running for good (blocks freed after ``record_stream`` are not recycled, ``empty_cache`` asserts),
-and every later capture into the shared pool fails too (each raising once, then eager). The fix
-(end that routing, move the other units to a fresh pool) waits for a GPU run.
+A capture that fails raises once, naming the unit, the body and the setting that keeps every
+body eager; that body runs eagerly from then on (same results). If CUDA invalidated the capture,
+torch's ``capture_end`` raises before it takes the pool off the allocator's list of captures under
+way, and every later capture into that pool would fail: so the units that share it move on to a
+fresh pool (``GraphPool.renew``).
 """
 
 from __future__ import annotations
@@ -47,11 +50,33 @@ import torch
 from .communicator_graphs import hold
 
 
+class CollectiveGraphCaptureError(RuntimeError):
+    """Capturing a unit's unshard or reduce body as a CUDA graph failed (the body stays eager)."""
+
+
+class GraphPool:
+    """The memory pool the collective graphs of one ``graph_modules`` call share (they allocate
+    only the copies' metadata); made at the first capture, renewed after a failed one."""
+
+    def __init__(self) -> None:
+        self._handle = None
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+    def renew(self) -> None:
+        self._handle = None
+
+
 class CollectiveGraphs:
     """One unit's captured step bodies, by name and address key (see the module docstring)."""
 
-    def __init__(self, pool) -> None:
-        self.pool = pool  # shared by the graphs of one model; they allocate nothing
+    def __init__(self, pool: GraphPool, unit: str = "") -> None:
+        self.pool = pool
+        self.unit = unit
         self._graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # None: ran eagerly once
         self._eager_only: set[tuple] = set()  # bodies whose capture failed: eager from then on
         self.replays: dict[str, int] = {}  # by body name, for tests and the benchmark's report
@@ -67,9 +92,16 @@ class CollectiveGraphs:
         if graph is None:
             try:
                 graph = self._capture(body)
-            except BaseException:
+            except BaseException as err:
                 self._eager_only.add(entry)  # the error is raised once; the next call runs eagerly
-                raise
+                self.pool.renew()  # a failed capture may leave the pool registered with the allocator
+                if not isinstance(err, Exception):
+                    raise
+                raise CollectiveGraphCaptureError(
+                    f"FSDP unit {self.unit}: capturing its {name} as a CUDA graph failed: {err}. This body runs "
+                    "eagerly from now on. GraphConfig(collective_graphs=False) (graph_modules(collective_graphs="
+                    "False)) keeps every unit's unshard and reduce eager."
+                ) from err
             self._graphs[entry] = graph
             hold(self)
         graph.replay()
@@ -80,7 +112,7 @@ class CollectiveGraphs:
         collecting = gc.isenabled()
         gc.disable()  # a collection during capture could free tensors other streams still use
         try:
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=self.pool.handle, capture_error_mode="thread_local")
             try:
                 body()
             except BaseException:

@@ -19,7 +19,8 @@ call it:
   ``from torch.distributed import destroy_process_group`` before that is torch's own, so call
   ``fsdp_graph.shutdown()`` instead, or drop the step first.
 
-A released holder refuses to replay and names the cause.
+A released whole-step or whole-forward graph refuses to replay and names the cause; released
+collective graphs (``collective_graphs.py``) run their bodies eagerly and capture again.
 """
 
 from __future__ import annotations

@@ -111,6 +111,7 @@ class FSDPUnit:
         self.reshard_after_backward = True  # False: keep the gathered parameters for the next forward
         self.forward_prefetch: list[FSDPUnit] | None = None  # set_modules_to_forward_prefetch (None: implicit)
         self.backward_prefetch: list[FSDPUnit] | None = None
+        self.collective_graphs_chosen: bool | None = None  # graph_modules(collective_graphs=) given for it
         self.parent: FSDPUnit | None = None
         self._streams: CommStreams | None = None
         self._order: ExecutionOrder | None = None

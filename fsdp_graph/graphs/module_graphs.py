@@ -16,7 +16,7 @@ For every module, in this order:
 4. The hooks go back (also when capture fails) and ``module.forward`` becomes the graphed
    callable, so ``module(x)`` runs the restored hooks eagerly around the replay. Hooks on its
    submodules can no longer be added (they would never run).
-5. With ``collective_graphs`` (the default), the enclosing units' unshard and reduce bodies are
+5. With ``collective_graphs`` (on unless a call chose False), the enclosing units' unshard and reduce bodies are
    replayed as small graphs on their side streams too (``fsdp/collective_graphs.py``): the hooks
    between the graphed layers then cost one replay each instead of four to six launches.
 """
@@ -236,7 +236,7 @@ def graph_modules(
     num_warmup_iters: int = 3,
     pool=None,
     forward_only: bool = False,
-    collective_graphs: bool = True,
+    collective_graphs: bool | None = None,
 ) -> list[GraphedCallable]:
     """Capture each module's forward and backward as CUDA graphs and install them in place.
 
@@ -254,10 +254,11 @@ def graph_modules(
     ``collective_graphs``: replay the enclosing FSDP units' unshard (cast, all-gather, copy-out)
     and reduce (copy-in, zeroing, reduce-scatter) as CUDA graphs on their side streams, captured
     at their second run; False runs them eagerly (NCCL's watchdog then times them out). The setting
-    is per unit: a later call that covers the same units sets it again for them.
+    is per unit: None (the default) keeps what an earlier call chose for a unit and is True for a
+    unit no call has chosen for; True or False set it again.
     """
-    if not isinstance(collective_graphs, bool):
-        raise TypeError(f"graph_modules: collective_graphs must be True or False, got {collective_graphs!r}")
+    if collective_graphs is not None and not isinstance(collective_graphs, bool):
+        raise TypeError(f"graph_modules: collective_graphs must be True, False or None, got {collective_graphs!r}")
     modules = list(modules)
     names = [_describe(m, i) for i, m in enumerate(modules)]
     _check_selection(modules, names, forward_only)

@@ -4,8 +4,8 @@ Three independent settings (after Megatron's split):
 
 * ``strategy``, for training: ``"none"`` (eager), ``"layer"`` (the selected modules are graphed,
   FSDP's unshard/reshard and everything else run between them: ``graph_modules``; with
-  ``collective_graphs``, the default, the units' unshard and reduce bodies are replayed as small
-  graphs of their own on the side streams) or
+  ``collective_graphs`` (on unless False; None keeps an earlier step's choice), the units' unshard
+  and reduce bodies are replayed as small graphs of their own on the side streams) or
   ``"full_iteration"`` (forward, loss, backward, the FSDP collectives and optionally the
   optimizer step as one graph: ``graph_train_step``);
 * ``modules``, which modules ``"layer"`` graphs: a module class, a tuple of classes, a predicate
@@ -46,7 +46,8 @@ class GraphConfig:
     modules: Selection | Sequence[nn.Module] | None = None
     forward_only: str = "none"
     num_warmup_iters: int = 3  # eager passes before capture (>= 2 also proves the code free of host syncs)
-    collective_graphs: bool = True  # "layer": the units' unshard/reduce replayed as graphs too
+    collective_graphs: bool | None = None  # "layer": the units' unshard/reduce replayed as graphs too (None:
+    # as an earlier step chose for them, else True)
 
 
 def _choice(value, choices: tuple, field: str) -> str:
@@ -64,8 +65,8 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
     strategy = _choice(config.strategy, STRATEGIES, "strategy")
     forward_only = _choice(config.forward_only, FORWARD_ONLY, "forward_only")
     config = replace(config, strategy=strategy, forward_only=forward_only)
-    if not isinstance(config.collective_graphs, bool):
-        raise TypeError(f"GraphConfig.collective_graphs must be True or False, got {config.collective_graphs!r}")
+    if config.collective_graphs is not None and not isinstance(config.collective_graphs, bool):
+        raise TypeError(f"GraphConfig.collective_graphs must be True, False or None, got {config.collective_graphs!r}")
     if not isinstance(config.num_warmup_iters, int) or config.num_warmup_iters < 1:
         raise ValueError(f"GraphConfig.num_warmup_iters must be an int >= 1, got {config.num_warmup_iters!r}")
     if config.modules is not None and strategy == "full_iteration":
