@@ -57,11 +57,31 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=dist.Re
         dist.all_reduce(tensor, op=op, group=group)
 
 
+class _OnStream:
+    """``torch.cuda.stream(stream)`` for a stream of the current device, without that context's two
+    lookups of the current device (each reads the environment through ``torch.cuda.is_available``):
+    the hooks enter a side stream several times per unit and step (``docs/performance.md``)."""
+
+    __slots__ = ("stream", "device", "previous")
+
+    def __init__(self, stream, device: torch.device) -> None:
+        self.stream, self.device = stream, device
+
+    def __enter__(self) -> None:
+        self.previous = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_stream(self.previous)
+
+
 class CommStreams:
     """Side streams for all-gathers and reduce-scatters (None on CPU, where all is synchronous)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # an indexed device keeps stream lookups off the slow path
+            device = torch.device("cuda", torch.cuda.current_device())
         self.all_gather = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.reduce = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.device = device
@@ -73,7 +93,9 @@ class CommStreams:
             return nullcontext()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         self._pending.add(stream)
-        return torch.cuda.stream(stream)
+        if torch.cuda.current_device() != self.device.index:
+            return torch.cuda.stream(stream)  # it switches the device as well
+        return _OnStream(stream, self.device)
 
     @staticmethod
     def record(stream):
@@ -83,10 +105,9 @@ class CommStreams:
         event.record(stream)
         return event
 
-    @staticmethod
-    def wait(event) -> None:
+    def wait(self, event) -> None:
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def shared_with_side_streams(self, *tensors: torch.Tensor) -> None:
         """Persistent ``tensors`` (allocated on the compute stream) that the side streams also read

@@ -219,7 +219,8 @@ class ParamGroup:
 
     def use(self) -> None:
         """Swap the gathered parameters into the modules (the compute stream waits for them)."""
-        CommStreams.wait(self._unshard_event)
+        if self._unshard_event is not None:
+            self._streams.wait(self._unshard_event)
         self._unshard_event = None
         for param in self.params:
             param.use_unsharded(self.name)
