@@ -85,10 +85,11 @@ class FlatBuffers:
 @dataclass
 class CommScratch:
     """Staging for the collectives of the units of one root with the same dtypes and group: the
-    all-gather's output (compute dtype) and the reduce-scatter's input and output (reduce dtype),
-    in the gathered (rank-major) layout. All-gathers run one after another on one stream, and so
-    do reduce-scatters, so one set serves every unit that fits; it is sized for the largest slot
-    unit (the repeated layer). A larger unit (the root with the embeddings, say) takes staging of
+    all-gather's output (compute dtype) and the reduce-scatter's input (reduce dtype), in the
+    gathered (rank-major) layout; the reduce-scatter writes its output in place, into this rank's
+    row of its input (NCCL's in-place form), so no output buffer is kept. All-gathers run one
+    after another on one stream, and so do reduce-scatters, so one set serves every unit that
+    fits; it is sized for the largest slot unit (the repeated layer). A larger unit (the root with the embeddings, say) takes staging of
     its own from the caching allocator for each collective, on the collective's stream, and gives
     it back right after, as FSDP2 does: kept persistent, it would sit in memory at the activation
     peak for collectives that run when activations are few (the root's gather at the start of
@@ -101,7 +102,6 @@ class CommScratch:
     device: torch.device
     gather: torch.Tensor | None = None
     reduce_in: torch.Tensor | None = None
-    reduce_out: torch.Tensor | None = None
 
     def fits(self, gathered_numel: int) -> bool:
         return gathered_numel <= self.gathered_numel
@@ -111,7 +111,6 @@ class CommScratch:
         if self.gather is None and self.gathered_numel:
             self.gather = torch.empty(self.gathered_numel, dtype=self.dtypes.compute, device=self.device)
             self.reduce_in = torch.empty(self.gathered_numel, dtype=self.dtypes.reduce, device=self.device)
-            self.reduce_out = torch.empty(self.shard_numel, dtype=self.dtypes.reduce, device=self.device)
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,11 @@ def all_gather_inplace(flat: torch.Tensor, shard_numel: int, group: dist.Process
 
 
 def reduce_scatter_sum(out_shard: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """``out_shard`` = this rank's shard of the sum of ``flat`` over the group."""
+    """``out_shard`` = this rank's shard of the sum of ``flat`` over the group. ``out_shard`` may be
+    that shard's place in ``flat`` (in place)."""
     if group is None:
-        out_shard.copy_(flat)
+        if out_shard.data_ptr() != flat.data_ptr():
+            out_shard.copy_(flat)
         return
     if flat.numel() == 0:
         return

@@ -55,7 +55,7 @@ class UnitGradients:
         self._views: list[torch.Tensor] = []
         self._target: GradBuffer | None = None
         self._copy_in_sources: dict[int, tuple] = {}  # id(target) -> (target, its padded views)
-        self._staging: tuple | None = None  # (scratch, reduce_in by rank, reduce_in, reduce_out) of this unit
+        self._staging: tuple | None = None  # (scratch, reduce_in by rank, reduce_in, this rank's row) of this unit
         self.collective_graphs: CollectiveGraphs | None = None  # the reduce replayed as graphs (graph strategies)
 
     def refresh_trainable(self) -> None:
@@ -119,7 +119,7 @@ class UnitGradients:
         layout = self.layout
         shared = scratch.fits(layout.gathered_numel)
         if shared and (self._staging is None or self._staging[0] is not scratch):
-            self._staging = (scratch, *self._staging_views(scratch.reduce_in, scratch.reduce_out))
+            self._staging = (scratch, *self._staging_views(scratch.reduce_in))
         current = [m.grad for m in self._masters]  # read before the reduce changes them (post-accumulate hooks)
         # Memory taken now is taken on the compute stream, where its readers (optimizer, clipping) run.
         self.sharded.take(zeros=not all(map(operator.is_, current, repeat(None))), writer_stream=streams.reduce)
@@ -133,8 +133,7 @@ class UnitGradients:
             # when this function returns: the allocator hands the block only to later work of this
             # stream, which is queued after these kernels.
             by_rank, grads, reduced = self._staging[1:] if shared else self._staging_views(
-                torch.empty(layout.gathered_numel, dtype=scratch.dtypes.reduce, device=self.device),
-                torch.empty(layout.shard_numel, dtype=scratch.dtypes.reduce, device=self.device))
+                torch.empty(layout.gathered_numel, dtype=scratch.dtypes.reduce, device=self.device))
             sources = self._sources(target)
             if graphs is None:
                 self._copy_in(sources, by_rank, target)
@@ -165,10 +164,12 @@ class UnitGradients:
         except RuntimeError as err:  # gloo: a peer that never joined (timeout) or died
             raise collective_failed("gradient reduce-scatter", self.name, err) from err
 
-    def _staging_views(self, reduce_in: torch.Tensor, reduce_out: torch.Tensor) -> tuple:
-        """The copy-in's rows by rank, the reduce-scatter's input and its output."""
+    def _staging_views(self, reduce_in: torch.Tensor) -> tuple:
+        """The copy-in's rows by rank, the reduce-scatter's input, and its output: this rank's row of
+        the input (the in-place form, which saves a shard-sized buffer)."""
         layout = self.layout
-        return layout.by_rank(reduce_in), reduce_in[: layout.gathered_numel], reduce_out[: layout.shard_numel]
+        by_rank = layout.by_rank(reduce_in)
+        return by_rank, reduce_in[: layout.gathered_numel], by_rank[layout.rank]
 
     def _accumulate_sharded(self, reduced: torch.Tensor, current: list[torch.Tensor | None]) -> None:
         """master.grad (+)= reduced / world_size, as autograd would accumulate into ``.grad``."""

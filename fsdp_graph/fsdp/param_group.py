@@ -100,7 +100,7 @@ class ParamGroup:
             self.collective_graphs.forget()
         if self.layout.shard_numel and scratch.fits(self.layout.gathered_numel):
             scratch.allocate_staging()
-            streams.shared_with_side_streams(scratch.gather, scratch.reduce_in, scratch.reduce_out)
+            streams.shared_with_side_streams(scratch.gather, scratch.reduce_in)
             self._shared_staging = self._staging_views(scratch.gather)
         if placement is not Placement.SLOT:
             self._bind_buffers(FlatBuffers.allocate(self.layout.unsharded_numel, self.dtypes, self.device))
