@@ -14,6 +14,12 @@ boundary:
 A sleep is a kernel, so it is captured into a whole-step graph and replayed with it. A missing
 stream dependency shows up as a changed value. The patches live here, never on the engine's
 default path.
+
+The sleep that opens each side-stream step is long (``ENTER_CYCLES``, about 10 ms): in eager and
+layer-graph runs the host takes a millisecond or two per unit to issue the next one, which hides a
+short delay; a side stream that lags by more than that exposes a missing wait on it (a slot's
+gradient buffer written again before the earlier unit's copy-in read it: without the wait on
+``reduce_done``, only the whole-step case caught that with 0.2 ms sleeps).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from fsdp_graph.fsdp.root import RootContext
 from fsdp_graph.fsdp.unit import FSDPUnit
 
 CYCLES = 400_000  # about 0.2 ms at the H200's clock: longer than any kernel of the test model
+ENTER_CYCLES = 20_000_000  # about 10 ms: longer than the host's gap between two units' steps
 STREAMS = ("compute", "all_gather", "reduce")
 SITES = {
     "compute": [(FSDPUnit, "pre_forward"), (FSDPUnit, "post_forward"), (FSDPUnit, "pre_backward"),
@@ -43,8 +50,8 @@ SITES = {
 queued = [0]  # sleeps queued so far: a test checks the sites were reached
 
 
-def _sleep() -> None:
-    torch.cuda._sleep(CYCLES)
+def _sleep(cycles: int = CYCLES) -> None:
+    torch.cuda._sleep(cycles)
     queued[0] += 1
 
 
@@ -85,7 +92,7 @@ def inject(stream: str | None):
             with enter(self, side):
                 delay = side is not None and side is getattr(self, stream)
                 if delay:
-                    _sleep()  # before the first op on the side stream
+                    _sleep(ENTER_CYCLES)  # before the first op on the side stream: a long lag
                 yield
                 if delay:
                     _sleep()  # after the last one
