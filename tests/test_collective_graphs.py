@@ -50,6 +50,9 @@ def stand_in(monkeypatch):
     handles = iter(range(1, 1000))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _StandInGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: _pools_capturing.remove(pool),
+                        raising=False)  # as torch's allocator: raises (KeyError here) if not registered
     monkeypatch.setattr("fsdp_graph.fsdp.collective_graphs.hold", lambda holder: None)  # no real graphs to release
     _pools_capturing.clear()
 
@@ -98,10 +101,28 @@ def test_an_invalidated_capture_leaves_the_other_units_captures_working(stand_in
     _StandInGraph.invalidate_next = True
     with pytest.raises(CollectiveGraphCaptureError, match="blocks.0: capturing its unshard"):
         first.run("unshard", (1,), body)
+    assert not _pools_capturing  # the allocator no longer believes a capture is under way
     second.run("unshard", (2,), body)
-    second.run("unshard", (2,), body)  # captured into a fresh pool: the failed one is still registered
+    second.run("unshard", (2,), body)
     second.run("unshard", (2,), body)
     assert second.replays == {"unshard": 2} and first.replays == {}
+    assert second._graphs[("unshard", (2,))].pool != (0, 1)  # a fresh pool: the failed capture's blocks stay
+
+
+def test_a_collective_that_fails_during_capture_keeps_its_own_error(graphs):
+    from fsdp_graph.fsdp.collectives import CollectiveError
+
+    calls = []
+
+    def body():
+        calls.append(1)
+        if len(calls) == 2:
+            raise CollectiveError("rank 1: the gradient reduce-scatter of FSDP unit blocks.3 failed: timeout")
+
+    graphs.run("reduce_scatter", (1,), body)
+    with pytest.raises(CollectiveError, match="rank 1: the gradient reduce-scatter"):
+        graphs.run("reduce_scatter", (1,), body)
+    assert not _pools_capturing
 
 
 def test_an_earlier_choice_per_unit_is_kept_by_a_later_default(stand_in):

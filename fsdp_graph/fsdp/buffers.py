@@ -89,15 +89,14 @@ class CommScratch:
     gathered (rank-major) layout; the reduce-scatter writes its output in place, into this rank's
     row of its input (NCCL's in-place form), so no output buffer is kept. All-gathers run one
     after another on one stream, and so do reduce-scatters, so one set serves every unit that
-    fits; it is sized for the largest slot unit (the repeated layer). A larger unit (the root with the embeddings, say) takes staging of
-    its own from the caching allocator for each collective, on the collective's stream, and gives
-    it back right after, as FSDP2 does: kept persistent, it would sit in memory at the activation
-    peak for collectives that run when activations are few (the root's gather at the start of
-    the forward, its reduce at the end of the backward). Inside a whole-step capture that staging
-    comes from the graph's pool."""
+    fits; it is sized for the largest slot unit (the repeated layer). A larger unit (the root
+    with the embeddings, say) takes staging of its own from the caching allocator for each
+    collective, on the collective's stream, and gives it back right after, as FSDP2 does: kept
+    persistent, it would sit in memory at the activation peak for collectives that run when
+    activations are few (the root's gather at the start of the forward, its reduce at the end of
+    the backward). Inside a whole-step capture that staging comes from the graph's pool."""
 
     gathered_numel: int
-    shard_numel: int
     dtypes: BufferDtypes
     device: torch.device
     gather: torch.Tensor | None = None
@@ -196,8 +195,7 @@ def plan_scratch(requests: list[PlacementRequest],
     for its largest slot unit (empty without slot units: every unit then stages on its own)."""
     scratch: dict[tuple, CommScratch] = {}
     for r, (placement, _) in zip(requests, plan):
-        s = scratch.setdefault(r.pool_key, CommScratch(0, 0, r.dtypes, r.device))
+        s = scratch.setdefault(r.pool_key, CommScratch(0, r.dtypes, r.device))
         if placement is Placement.SLOT:
             s.gathered_numel = max(s.gathered_numel, r.gathered_numel)
-            s.shard_numel = s.gathered_numel // r.world_size
     return [scratch[r.pool_key] for r in requests]

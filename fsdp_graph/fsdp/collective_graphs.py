@@ -34,10 +34,10 @@ That is why the replay is something the graph strategies switch on (``graph_modu
 ``collective_graphs``), never the eager default.
 
 A capture that fails raises once, naming the unit, the body and the setting that keeps every
-body eager; that body runs eagerly from then on (same results). If CUDA invalidated the capture,
-torch's ``capture_end`` raises before it takes the pool off the allocator's list of captures under
-way, and every later capture into that pool would fail: so the units that share it move on to a
-fresh pool (``GraphPool.renew``).
+body eager; that body runs eagerly from then on, until the unit's buffers are planned again (same
+results). If CUDA invalidated the capture, torch's ``capture_end`` raises before it takes the pool
+off the allocator's list of captures under way: that is undone here (``_stop_allocating_to``), and
+the units that share the pool move on to a fresh one (``GraphPool.renew``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from collections.abc import Callable
 
 import torch
 
+from .collectives import CollectiveError
 from .communicator_graphs import hold
 
 
@@ -94,9 +95,9 @@ class CollectiveGraphs:
                 graph = self._capture(body)
             except BaseException as err:
                 self._eager_only.add(entry)  # the error is raised once; the next call runs eagerly
-                self.pool.renew()  # a failed capture may leave the pool registered with the allocator
-                if not isinstance(err, Exception):
-                    raise
+                self.pool.renew()  # the failed capture's partial blocks stay with the old pool
+                if not isinstance(err, Exception) or isinstance(err, CollectiveError):
+                    raise  # a collective that failed (a rank that never joined) says so itself
                 raise CollectiveGraphCaptureError(
                     f"FSDP unit {self.unit}: capturing its {name} as a CUDA graph failed: {err}. This body runs "
                     "eagerly from now on. GraphConfig(collective_graphs=False) (graph_modules(collective_graphs="
@@ -109,19 +110,24 @@ class CollectiveGraphs:
 
     def _capture(self, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
+        pool, device = self.pool.handle, torch.cuda.current_device()
         collecting = gc.isenabled()
         gc.disable()  # a collection during capture could free tensors other streams still use
         try:
-            graph.capture_begin(pool=self.pool.handle, capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 body()
             except BaseException:
                 try:
                     graph.capture_end()
                 except RuntimeError:
-                    pass  # the capture was invalidated by the failure: the first error is the one to report
+                    _stop_allocating_to(device, pool)  # the first error is the one to report
                 raise
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                _stop_allocating_to(device, pool)
+                raise
         finally:
             if collecting:
                 gc.enable()
@@ -133,6 +139,19 @@ class CollectiveGraphs:
         self._eager_only.clear()
 
     release = forget  # before a process group is destroyed (``communicator_graphs.release_graphs``)
+
+
+def _stop_allocating_to(device: int, pool) -> None:
+    """End the allocator's routing into ``pool`` after a capture CUDA invalidated: torch's
+    ``capture_end`` raised before doing so, and left as it is, the allocator believes a capture is
+    under way for good (it stops recycling blocks freed with ``record_stream``, and
+    ``empty_cache`` asserts). Torch's binding for this is private (``torch.cuda.use_mem_pool`` uses
+    it); where it is missing or refuses (the pool was ended already), nothing is done."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    try:
+        end(device, pool)
+    except (RuntimeError, TypeError):
+        pass
 
 
 def can_replay(graphs: CollectiveGraphs | None) -> bool:

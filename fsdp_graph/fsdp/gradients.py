@@ -142,7 +142,9 @@ class UnitGradients:
                 graphs.run("copy_in", key, lambda: self._copy_in(sources, by_rank, target))
             target.zeroed = True
             target.reduce_done = streams.record(streams.reduce)  # the target is free again
-            if graphs is None:
+            if self.group is None and self.replicate_group is None:
+                pass  # one process: the staging holds the sum, and the output is its only row
+            elif graphs is None:
                 self._reduce_scatter(grads, reduced)
             else:
                 graphs.run("reduce_scatter", key, lambda: self._reduce_scatter(grads, reduced))
