@@ -77,7 +77,11 @@ def _cast_floating(tree, dtype: torch.dtype):
 
 
 def cast_forward_inputs(module: nn.Module, args: tuple, kwargs: dict):
-    return _cast_floating((args, kwargs), unit_of(module).compute_dtype)
+    dtype = unit_of(module).compute_dtype
+    if not kwargs and all(isinstance(x, torch.Tensor) and (x.dtype == dtype or not x.is_floating_point())
+                          for x in args):
+        return None  # the usual call, tensors already in the compute dtype: no tree to rebuild
+    return _cast_floating((args, kwargs), dtype)
 
 
 def cast_forward_outputs(module: nn.Module, args: tuple, output):
@@ -120,7 +124,8 @@ def _hooks_active(module: nn.Module) -> bool:
 def install_post_backward(module: nn.Module, args: tuple, kwargs: dict):
     if not _hooks_active(module):
         return None
-    flat, spec = tree_flatten((args, kwargs))
+    plain = not kwargs and all(isinstance(x, torch.Tensor) for x in args)  # the usual call: no tree
+    flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
         # Nothing to hang the trigger on (e.g. token ids): finish once the parameters' gradients
@@ -130,7 +135,7 @@ def install_post_backward(module: nn.Module, args: tuple, kwargs: dict):
     wrapped = _PostBackwardTrigger.apply(module, *(flat[i] for i in positions))
     for i, tensor in zip(positions, wrapped):
         flat[i] = tensor
-    return tree_unflatten(flat, spec)
+    return (tuple(flat), kwargs) if plain else tree_unflatten(flat, spec)
 
 
 install_post_backward._cuda_graph_backward_handler = post_backward_handler
