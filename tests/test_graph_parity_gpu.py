@@ -5,10 +5,15 @@ and the final full state dict must be equal bit for bit (atol = rtol = 0), for s
 what is graphed, and for a model whose oversized block cannot use the double-buffer slots. The
 units' unshard and reduce bodies are replayed as graphs too (``collective_graphs``, the default),
 except for the oversized block (it stages its collectives on its own) and where switched off.
+Two variants change the training itself, the same way in both runs: two micro-batches per step
+under ``no_sync`` (the reduce then reads the accumulation buffer), and a full state dict saved at
+one step and loaded back at a later one, after the capture (the masters change in place under
+the replayed all-gathers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -65,28 +70,42 @@ def _batch(step: int, info) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+SAVE_AT, LOAD_AT = 5, 12  # the "reload" variant
+
+
 def _train(info, selection: str | None, oversized_block: bool, graph_at_step: int = 0, mesh_shape=None,
-           collective_graphs: bool = True):
+           collective_graphs: bool = True, variant: str | None = None):
     model = _build(info, oversized_block, mesh_shape)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    micro_batches = 2 if variant == "accumulate" else 1
     graphed = []
     losses = []
+    saved = None
     for step in range(STEPS):
         if selection is not None and step == graph_at_step:
             modules = SELECTIONS[selection](model)
             # A whole unit casts its inputs itself; a module inside one receives bf16 activations.
             dtype = torch.float32 if selection.startswith("blocks") else torch.bfloat16
-            sample = torch.randn(
-                MICRO_BATCH, CFG.seq_len, CFG.d_model, device=info.device, dtype=dtype, requires_grad=True
-            )
+            sample = torch.randn(MICRO_BATCH // micro_batches, CFG.seq_len, CFG.d_model, device=info.device,
+                                 dtype=dtype, requires_grad=True)
             graphed = fsdp_graph.graph_modules(modules, [(sample,)] * len(modules),
                                                collective_graphs=collective_graphs)
-        _, loss = model(*_batch(step, info))
-        loss.backward()
+        if variant == "reload" and step == SAVE_AT:
+            saved = fsdp_graph.full_state_dict(model)
+        if variant == "reload" and step == LOAD_AT:
+            fsdp_graph.load_full_state_dict(model, saved)
+        idx, targets = _batch(step, info)
+        loss = 0
+        for i, (part_idx, part_targets) in enumerate(zip(idx.chunk(micro_batches), targets.chunk(micro_batches))):
+            with model.no_sync() if i < micro_batches - 1 else contextlib.nullcontext():
+                part = model(part_idx, part_targets)[1] / micro_batches
+                part.backward()
+            loss = loss + part.detach()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.detach())
-    assert all(g.replays == STEPS - graph_at_step for g in graphed), [g.replays for g in graphed]  # no silent eager
+        losses.append(loss)
+    forwards = micro_batches * (STEPS - graph_at_step)
+    assert all(g.replays == forwards for g in graphed), [g.replays for g in graphed]  # no silent eager
     if selection is not None:
         _check_collective_replays(model, selection, oversized_block, STEPS - graph_at_step, collective_graphs)
     return torch.stack(losses), fsdp_graph.full_state_dict(model)
@@ -109,10 +128,10 @@ def _check_collective_replays(model: GPT, selection: str, oversized_block: bool,
 
 
 def _eager_and_graphed_agree(info, selection: str, oversized_block: bool, graph_at_step: int,
-                             mesh_shape=None, collective_graphs: bool = True) -> None:
+                             mesh_shape=None, collective_graphs: bool = True, variant: str | None = None) -> None:
     torch.use_deterministic_algorithms(True)  # flash attention's backward is otherwise nondeterministic
-    eager_losses, eager_state = _train(info, None, oversized_block, mesh_shape=mesh_shape)
-    losses, state = _train(info, selection, oversized_block, graph_at_step, mesh_shape, collective_graphs)
+    eager_losses, eager_state = _train(info, None, oversized_block, mesh_shape=mesh_shape, variant=variant)
+    losses, state = _train(info, selection, oversized_block, graph_at_step, mesh_shape, collective_graphs, variant)
     differing = [i for i in range(STEPS) if not torch.equal(losses[i], eager_losses[i])]
     assert not differing, (
         f"losses differ from step {differing[0]}: graphed {losses.tolist()} eager {eager_losses.tolist()}"
@@ -124,19 +143,21 @@ def _eager_and_graphed_agree(info, selection: str, oversized_block: bool, graph_
 
 
 @pytest.mark.parametrize(
-    "selection, oversized_block, graph_at_step, mesh_shape, collective_graphs",
+    "selection, oversized_block, graph_at_step, mesh_shape, collective_graphs, variant",
     [
-        ("blocks", False, 0, None, True),
-        ("blocks", False, 0, None, False),  # the FSDP steps eager between the graphed blocks
-        ("attention", False, 0, None, True),
-        ("mlp", False, 0, None, True),
-        ("blocks", True, 0, None, True),  # block 1 does not fit a slot: its own persistent buffer
-        ("blocks_1_3", False, 3, None, True),  # a subset, graphed between steps of a running training
-        ("blocks", False, 0, (2, 1), True),  # HSDP: replicated across the two GPUs, all-reduced
+        ("blocks", False, 0, None, True, None),
+        ("blocks", False, 0, None, False, None),  # the FSDP steps eager between the graphed blocks
+        ("attention", False, 0, None, True, None),
+        ("mlp", False, 0, None, True, None),
+        ("blocks", True, 0, None, True, None),  # block 1 does not fit a slot: its own persistent buffer
+        ("blocks_1_3", False, 3, None, True, None),  # a subset, graphed between steps of a running training
+        ("blocks", False, 0, (2, 1), True, None),  # HSDP: replicated across the two GPUs, all-reduced
+        ("blocks", False, 0, None, True, "accumulate"),  # no_sync: the reduce reads the accumulation buffer
+        ("blocks", False, 0, None, True, "reload"),  # a state dict loaded into the masters after the capture
     ],
 )
 def test_graphed_training_is_bitwise_equal_to_eager(selection, oversized_block, graph_at_step, mesh_shape,
-                                                    collective_graphs):
+                                                    collective_graphs, variant):
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # inherited by the ranks; needed by deterministic cuBLAS
     run_ranks(_eager_and_graphed_agree, 2, selection, oversized_block, graph_at_step, mesh_shape,
-              collective_graphs)
+              collective_graphs, variant)
