@@ -14,6 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = {"fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp",
            "ours_full_iteration", "floor"}
+GRAPH_SYSTEMS = {"fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp", "ours_full_iteration", "floor"}
 
 
 def run_smoke(out: Path, *args: str) -> dict[str, dict]:
@@ -49,8 +50,14 @@ def test_benchmark_smoke_run_writes_records_table_and_chart(tmp_path):
         # The breakdown's run (warm-up and three steps) is part of what the timed run did (after ones).
         assert 0 < r["memory"]["peak_gib"] <= r["peak_mem_gib"] + 2**-10, (r["memory"], r["peak_mem_gib"])
         assert parts[next(c for c in parts if c.startswith("parameters"))] > 0, r["memory"]
-        if r["system"] in ("ours_eager", "ours_layer_graphs", "ours_full_iteration", "fsdp2_eager"):
+        if r["system"] in ("ours_eager", "ours_full_iteration", "fsdp2_eager", "fsdp2_full_graph"):
             assert parts.get("optimizer state", 0) > 0, r["memory"]
+        # The layer-graph systems warm up and capture their blocks inside make_train_step, from the
+        # example batch, before the optimizer has any state; on this tiny model that warm-up and the
+        # later steps peak within 0.0001 GiB of each other, so which one is "the peak" (and whether
+        # AdamW's state is in it) turns on a few KiB. What must be there is the graphs' pool.
+        if r["system"] in GRAPH_SYSTEMS:
+            assert parts.get("CUDA graph pool (the captured step's activations and temporaries)", 0) > 0, r["memory"]
     table = (tmp_path / "results-gpt.md").read_text()
     assert "| smoke | fsdp2_eager |" in table and "| smoke | ours_eager |" in table
     if importlib.util.find_spec("matplotlib") is not None:

@@ -94,7 +94,9 @@ def test_delays_change_no_bit_on_one_gpu_without_a_process_group(case):
     after another (block 0 after block 3 here) writes the slot's gradient buffer, which the other
     unit's reduce copied in and zeroed on the reduce stream; only the wait on ``reduce_done``
     (``GradBuffer.take_for_backward``) orders the two. This is the edge the two-GPU runs cannot
-    isolate (``docs/stream_handoffs.md``). In a process of its own, as the other cases: deterministic
+    isolate (``docs/stream_handoffs.md``). The cases with two micro-batches do not have this edge
+    (each unit accumulates into a buffer of its own), so deleting that wait fails the other two
+    cases only (measured: both, from step 1). In a process of its own, as the other cases: deterministic
     cuBLAS needs its workspace setting before the process first uses cuBLAS."""
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     run_ranks(_delays_change_nothing_without_a_group, 1, case)
