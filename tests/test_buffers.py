@@ -233,3 +233,36 @@ def test_a_slot_held_by_unshard_names_reshard_as_the_fix():
         local_loss(model, 1, info)
     model.blocks[2].reshard()
     local_loss(model, 1, info).backward()
+
+
+def _reduce_scatter_in_place(info, big_block) -> None:
+    from fsdp_graph.fsdp import gradients
+
+    calls = []
+    original = gradients.reduce_scatter_sum
+
+    def recording(output, input, group):
+        calls.append((output.data_ptr(), input.data_ptr(), output.numel(), output.element_size()))
+        return original(output, input, group)
+
+    gradients.reduce_scatter_sum = recording
+    try:
+        model, _ = build(info.device, big_block=big_block)
+        shard(model)
+        local_loss(model, 0, info).backward()
+    finally:
+        gradients.reduce_scatter_sum = original
+    if info.world_size == 1:  # no process group: nothing to reduce, so no reduce-scatter runs at all
+        assert calls == [], calls
+        return
+    assert len(calls) == len(units_in(model)), calls
+    own = [unit_buffers(u).own_staging_bytes > 0 for u in units_in(model)]
+    assert any(own) == (big_block is not None), own  # the case covers a unit with staging of its own
+    for output, input, numel, itemsize in calls:  # NCCL's in-place form: output = input + rank * shard
+        assert output == input + info.rank * numel * itemsize, (output, input, numel, info.rank)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("big_block", [None, 1], ids=["shared_staging", "a_wide_unit_stages_on_its_own"])
+def test_the_reduce_scatter_writes_into_this_ranks_row_of_its_input(world_size, big_block):
+    run_ranks(_reduce_scatter_in_place, world_size, big_block)
