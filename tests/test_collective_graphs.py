@@ -109,7 +109,10 @@ def test_an_invalidated_capture_leaves_the_other_units_captures_working(stand_in
     assert second._graphs[("unshard", (2,))].pool != (0, 1)  # a fresh pool: the failed capture's blocks stay
 
 
-def test_a_collective_that_fails_during_capture_keeps_its_own_error(graphs):
+def test_a_collective_that_refuses_the_capture_names_the_capture_and_the_fix(graphs):
+    """ProcessGroupNCCL's own refusal of a capture (an old NCCL) reaches us as a CollectiveError;
+    under capture NCCL only enqueues, so it is about the capture: the message says so, names the
+    switch, and keeps the collective's words."""
     from fsdp_graph.fsdp.collectives import CollectiveError
 
     calls = []
@@ -117,12 +120,17 @@ def test_a_collective_that_fails_during_capture_keeps_its_own_error(graphs):
     def body():
         calls.append(1)
         if len(calls) == 2:
-            raise CollectiveError("rank 1: the gradient reduce-scatter of FSDP unit blocks.3 failed: timeout")
+            raise CollectiveError("rank 1: the gradient reduce-scatter of FSDP unit blocks.3 failed: Capturing "
+                                  "NCCL collectives is only allowed with NCCL >= 2.9.6")
 
     graphs.run("reduce_scatter", (1,), body)
-    with pytest.raises(CollectiveError, match="rank 1: the gradient reduce-scatter"):
+    with pytest.raises(CollectiveGraphCaptureError, match="collective_graphs=False") as raised:
         graphs.run("reduce_scatter", (1,), body)
+    assert "capturing its reduce_scatter" in str(raised.value) and "NCCL >= 2.9.6" in str(raised.value)
+    assert isinstance(raised.value.__cause__, CollectiveError)
     assert not _pools_capturing
+    graphs.run("reduce_scatter", (1,), body)  # eager from then on
+    assert len(calls) == 3 and graphs.replays == {}
 
 
 def test_an_earlier_choice_per_unit_is_kept_by_a_later_default(stand_in):

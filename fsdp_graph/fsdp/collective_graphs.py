@@ -37,7 +37,10 @@ A capture that fails raises once, naming the unit, the body and the setting that
 body eager; that body runs eagerly from then on, until the unit's buffers are planned again (same
 results). If CUDA invalidated the capture, torch's ``capture_end`` raises before it takes the pool
 off the allocator's list of captures under way: that is undone here (``_stop_allocating_to``), and
-the units that share the pool move on to a fresh one (``GraphPool.renew``).
+the units that share the pool move on to a fresh one (``GraphPool.renew``). The old pool is never
+released (the failed graph does not release it): it keeps the few metadata blocks it holds for the
+process's life. An error the collective itself raises during the capture is reported the same way:
+under capture NCCL only enqueues, so it is about the capture, not a peer.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ from collections.abc import Callable
 
 import torch
 
-from .collectives import CollectiveError
 from .communicator_graphs import hold
 
 
@@ -96,8 +98,10 @@ class CollectiveGraphs:
             except BaseException as err:
                 self._eager_only.add(entry)  # the error is raised once; the next call runs eagerly
                 self.pool.renew()  # the failed capture's partial blocks stay with the old pool
-                if not isinstance(err, Exception) or isinstance(err, CollectiveError):
-                    raise  # a collective that failed (a rank that never joined) says so itself
+                if not isinstance(err, Exception):
+                    raise
+                # A CollectiveError too: under capture NCCL only enqueues (a peer's timeout surfaces
+                # later, from the watchdog), so an error the collective raises now is about the capture.
                 raise CollectiveGraphCaptureError(
                     f"FSDP unit {self.unit}: capturing its {name} as a CUDA graph failed: {err}. This body runs "
                     "eagerly from now on. GraphConfig(collective_graphs=False) (graph_modules(collective_graphs="
@@ -148,9 +152,11 @@ def _stop_allocating_to(device: int, pool) -> None:
     ``empty_cache`` asserts). Torch's binding for this is private (``torch.cuda.use_mem_pool`` uses
     it); where it is missing or refuses (the pool was ended already), nothing is done."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
     try:
         end(device, pool)
-    except (RuntimeError, TypeError):
+    except RuntimeError:
         pass
 
 
