@@ -64,13 +64,12 @@ class _OnStream:
     lookups of the current device (each reads the environment through ``torch.cuda.is_available``):
     the hooks enter a side stream several times per unit and step (``docs/performance.md``)."""
 
-    __slots__ = ("stream", "device", "previous")
+    __slots__ = ("stream", "previous")
 
-    def __init__(self, stream, device: torch.device) -> None:
-        self.stream, self.device = stream, device
+    def __init__(self, stream, previous) -> None:
+        self.stream, self.previous = stream, previous  # previous: the current stream, looked up by the caller
 
     def __enter__(self) -> None:
-        self.previous = torch.cuda.current_stream(self.device)
         torch.cuda.set_stream(self.stream)
 
     def __exit__(self, *exc) -> None:
@@ -93,11 +92,12 @@ class CommStreams:
         """Run on ``stream`` after everything already queued on the current stream."""
         if stream is None:
             return nullcontext()
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
         self._pending.add(stream)
         if torch.cuda.current_device() != self.device.index:
             return torch.cuda.stream(stream)  # it switches the device as well
-        return _OnStream(stream, self.device)
+        return _OnStream(stream, current)  # entered at once, by the caller's ``with``
 
     @staticmethod
     def record(stream):

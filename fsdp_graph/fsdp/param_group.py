@@ -219,8 +219,7 @@ class ParamGroup:
 
     def use(self) -> None:
         """Swap the gathered parameters into the modules (the compute stream waits for them)."""
-        if self._unshard_event is not None:
-            self._streams.wait(self._unshard_event)
+        self._streams.wait(self._unshard_event)
         self._unshard_event = None
         for param in self.params:
             param.use_unsharded(self.name)
