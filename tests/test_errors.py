@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -219,13 +221,31 @@ def test_a_collective_one_rank_never_joins_fails_after_the_timeout(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).parent / "scripts" / "rank_skips_collective.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_NCCL_BLOCKING_WAIT": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     out = result.stdout + result.stderr
     assert "RAISED after" in out, out[-3000:]
     seconds = float(out.split("RAISED after ")[1].split("s:")[0])
     assert seconds < 30, out[-2000:]
+    assert re.search(r"(?i)timed out|timing out|timeout", out.split("RAISED after ")[1].splitlines()[0]), out[-2000:]
+
+
+def test_ranks_that_start_further_apart_than_the_collective_timeout_still_form_the_group():
+    """init_distributed(timeout=2) with one rank 4 s late: the wait to arrive is not bounded by the
+    collective timeout (it was, and failed on 2 H200s when one rank's CUDA start took 2 s longer)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "rank_starts_late.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert "rank 0 SUM 2.0" in out and "rank 1 SUM 2.0" in out, out[-3000:]
 
 
 def test_init_distributed_timeout_must_be_positive():

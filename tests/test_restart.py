@@ -2,7 +2,7 @@
 mid-step, the job restarted once, runs to the end.
 
 Before the fix the restarted ranks often read the dead attempt's gloo addresses from torchrun's
-store and failed ("connectFullMesh ... Connection refused"): see ``_attempt_store`` in
+store and failed ("connectFullMesh ... Connection refused"): see ``_join_store`` in
 fsdp_graph/fsdp/distributed.py.
 """
 

@@ -6,7 +6,7 @@ group (nothing to rendezvous with, no port to bind). The collectives in this pac
 "no process group and world size 1" as a local no-op, so the same training script runs in both.
 
 Under torchrun the group's store keys get a namespace of their own per restart attempt
-(``_attempt_store``), and the group is destroyed at exit before Python finalises (``shutdown.py``).
+(``_join_store``), and the group is destroyed at exit before Python finalises (``shutdown.py``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta | No
     ``timeout`` (seconds or a timedelta): how long a collective waits for the other ranks before
     it raises, instead of torch's default (10 to 30 minutes): a collective one rank never joins (a
     state dict taken on one rank only, a branch that skips a unit on one rank) then fails fast.
-    It applies when the group is created here.
+    It applies when the group is created here. Waiting for every rank to arrive is not bounded by
+    it but by torch's default, or ``timeout`` where longer: ranks start seconds apart.
     """
     if timeout is not None and not isinstance(timeout, timedelta):
         if not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -97,10 +98,10 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta | No
     kwargs = {} if timeout is None else {"timeout": timeout}
     if device.type == "cuda" and "nccl" in backend:
         kwargs["device_id"] = device  # eager NCCL init: communicators exist before any capture
-    store = _attempt_store(rank, world_size, timeout or _default_timeout(backend))
-    if store is not None:
-        kwargs["store"] = store
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+    collective_timeout = timeout or _default_timeout(backend)
+    store, group_store = _join_store(rank, world_size, max(collective_timeout, _default_timeout(backend)))
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, store=group_store, **kwargs)
+    store.set_timeout(collective_timeout)  # what torch's own rendezvous leaves it at
     register_shutdown_at_exit()
     return DistInfo(rank, world_size, local_rank, device)
 
@@ -113,23 +114,28 @@ def _default_timeout(backend: str) -> timedelta:
     return nccl if "nccl" in backend and nccl is not None else constants.default_pg_timeout
 
 
-def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
-    """The store to create the group over: torchrun's, under a key prefix new to this attempt;
-    None (torch's own env:// rendezvous) when no torchrun agent hosts the store.
+def _join_store(rank: int, world_size: int, timeout: timedelta) -> tuple[dist.Store, dist.Store]:
+    """The launcher's store, and the store to create the group over; ``timeout`` bounds the wait
+    for every rank to arrive.
 
-    Why: torchrun's agent (c10d rendezvous, its default, ``TORCHELASTIC_USE_AGENT_STORE=True``)
-    keeps one store for the whole job and hands the same MASTER_PORT to every restart attempt, so
-    the keys of an attempt that died are still there: gloo's listening addresses, NCCL's unique
-    id, torch's and this package's own. A restarted rank that reads a dead peer's address before
-    the live peer overwrites it fails with "connectFullMesh ... Connection refused" (a race: some
-    restarts work). Under a fresh prefix there is nothing stale to read.
+    Why not torch's own rendezvous: it waits for the ranks with the *collective* timeout, so
+    ``init_distributed(timeout=2)`` failed whenever one rank took 2 s longer than another to import
+    torch and start CUDA (seen on 2 H200s). Arriving is bounded by at least torch's default instead.
+
+    Under torchrun's agent (c10d rendezvous, its default, ``TORCHELASTIC_USE_AGENT_STORE=True``) the
+    group's keys also get a prefix new to this attempt: the agent keeps one store for the whole job
+    and hands the same MASTER_PORT to every restart attempt, so the keys of an attempt that died are
+    still there: gloo's listening addresses, NCCL's unique id, torch's and this package's own. A
+    restarted rank that reads a dead peer's address before the live peer overwrites it fails with
+    "connectFullMesh ... Connection refused" (a race: some restarts work). Under a fresh prefix
+    there is nothing stale to read.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store, dist.PrefixStore("default_pg", store)  # as torch's own rendezvous prefixes it
     token = _fresh_token(store, rank, world_size, timeout)
-    return dist.PrefixStore(f"{_NAMESPACE}/{token}/", store)
+    return store, dist.PrefixStore(f"{_NAMESPACE}/{token}/", store)
 
 
 def _fresh_token(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> str:
@@ -174,7 +180,7 @@ def _not_joined(what: str, timeout: timedelta) -> RuntimeError:
     return RuntimeError(
         f"init_distributed: {what} within {timeout}: did every rank start (see their logs), and is this "
         f"job the only one using MASTER_ADDR:MASTER_PORT={os.environ.get('MASTER_ADDR')}:"
-        f"{os.environ.get('MASTER_PORT')}? (init_distributed(timeout=...) sets how long to wait.)")
+        f"{os.environ.get('MASTER_PORT')}? (It waits torch's default timeout, or init_distributed(timeout=...) where longer.)")
 
 
 def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:

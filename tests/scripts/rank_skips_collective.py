@@ -1,5 +1,7 @@
 """Two ranks under torchrun; rank 1 never joins rank 0's all-reduce. With
-init_distributed(timeout=2), rank 0's collective must raise within seconds, not after 30 minutes."""
+init_distributed(timeout=2), rank 0's collective must raise within seconds, not after 30 minutes.
+The tensor is on the rank's device, so on GPUs the NCCL group is the one that times out (the test
+sets TORCH_NCCL_BLOCKING_WAIT=1 so NCCL's timeout surfaces in the waiting call)."""
 
 import os
 import sys
@@ -15,7 +17,8 @@ info = fsdp_graph.init_distributed(timeout=2)
 if info.rank == 0:
     start = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(1))
+        dist.all_reduce(torch.ones(1, device=info.device))
+        torch.ones(1, device=info.device).tolist()  # the host waits for the device
         print("NO ERROR", flush=True)
     except RuntimeError as err:
         print(f"RAISED after {time.monotonic() - start:.1f}s: {str(err).splitlines()[0][:200]}", flush=True)
