@@ -180,7 +180,8 @@ def _not_joined(what: str, timeout: timedelta) -> RuntimeError:
     return RuntimeError(
         f"init_distributed: {what} within {timeout}: did every rank start (see their logs), and is this "
         f"job the only one using MASTER_ADDR:MASTER_PORT={os.environ.get('MASTER_ADDR')}:"
-        f"{os.environ.get('MASTER_PORT')}? (It waits torch's default timeout, or init_distributed(timeout=...) where longer.)")
+        f"{os.environ.get('MASTER_PORT')}? (It waits torch's default timeout, or "
+        "init_distributed(timeout=...) where longer.)")
 
 
 def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
