@@ -42,9 +42,25 @@ def _addresses_per_iteration(model, info, iterations: int = 3) -> list[dict]:
     return seen
 
 
-def _stable_addresses(info, big_block, persist: bool) -> None:
+class _EagerBodies:
+    """Stands in for a unit's collective graphs (``fsdp/collective_graphs.py``) on CPU: the bodies
+    run eagerly, but the unit keeps its gradients at fixed addresses, as for real graphs."""
+
+    def run(self, name, key, body) -> None:
+        body()
+
+    def forget(self) -> None:
+        pass
+
+
+def _stable_addresses(info, big_block, persist: bool, fixed_grads: bool) -> None:
     model, _ = build(info.device, big_block=big_block)
     shard(model, persist_buffer_on_alloc_fail=persist)
+    if fixed_grads:
+        if not torch.cuda.is_available():  # (a CPU-only build of torch cannot answer; this rank's own process)
+            torch.cuda.is_current_stream_capturing = lambda: False
+        for unit in units_in(model):
+            unit.replay_collectives(_EagerBodies())
     seen = _addresses_per_iteration(model, info)
     units = {u.name: u for u in units_in(model)}
     placements = {name: u.placement for name, u in units.items()}
@@ -65,6 +81,10 @@ def _stable_addresses(info, big_block, persist: bool) -> None:
             assert later[name] == first, f"{name}: addresses moved between iterations"
         unit = units[name]
         lo, hi = unit_buffers(unit).grads
+        if not fixed_grads:  # the reduce read autograd's own gradients and let them go
+            assert all(ptr is None for step in seen for ptr in step[name]["grads"]), name
+            assert (lo, hi) == (0, 0), f"{name}: a gradient buffer was allocated, and no graph reads it"
+            continue
         for param, ptr in zip(unit.params, first["grads"]):
             if param.requires_grad:
                 assert ptr is not None and lo <= ptr < hi, f"{name}: gradient of {param.name} outside the unit's buffer"
@@ -85,7 +105,15 @@ def _stable_addresses(info, big_block, persist: bool) -> None:
 
 @pytest.mark.parametrize("big_block,persist", [(None, True), (1, True), (1, False)])
 def test_unsharded_params_and_grads_keep_their_addresses(big_block, persist):
-    run_ranks(_stable_addresses, 2, big_block, persist)
+    """Units whose reduce replays as a graph: parameters and gradients at fixed addresses."""
+    run_ranks(_stable_addresses, 2, big_block, persist, True)
+
+
+@pytest.mark.parametrize("big_block,persist", [(None, True), (1, False)])
+def test_other_units_keep_their_parameter_addresses_and_no_gradient_buffer(big_block, persist):
+    """Every other unit: fixed parameter addresses; the reduce reads autograd's gradients, so no
+    unsharded gradient stays after a backward and no gradient buffer is ever allocated."""
+    run_ranks(_stable_addresses, 2, big_block, persist, False)
 
 
 def _dynamic_without_double_buffer(info) -> None:

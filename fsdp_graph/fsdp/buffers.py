@@ -38,28 +38,58 @@ class Placement(Enum):
 
 @dataclass
 class GradBuffer:
-    """Unsharded gradients (compute dtype) and the event of the last reduce that read them.
+    """A unit-sized unsharded gradient (compute dtype), the event of the last reduce that read
+    the unit's gradients, and what that reduce read.
 
-    The next writer waits on that event instead of on the whole reduce stream, so the
-    reduce-scatter of one unit overlaps the backward of the next.
+    Two ways a backward hands its gradients to the reduce (``gradients.py``):
+
+    * *into this buffer* (``tensor``, allocated at first use): AccumulateGrad adds into views of
+      it, so the gradients sit at fixed addresses, which the units whose reduce replays as a graph
+      need. The reduce reads it and zeroes it for the next backward;
+    * *autograd's own tensors* (every other unit): the reduce reads them, and they are ``held``
+      here until the compute stream has waited for that reduce; then they go back to the
+      allocator. No buffer, no zeroing, no accumulation pass.
+
+    The next user of the buffer waits on ``reduce_done`` instead of on the whole reduce stream, so
+    the reduce-scatter of one unit overlaps the backward of the next.
     """
 
-    tensor: torch.Tensor
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    tensor: torch.Tensor | None = None  # the fixed-address buffer, once a backward has used it
     reduce_done: Any = None  # torch.cuda.Event on GPU
     zeroed: bool = True  # all zeros once ``reduce_done`` has passed (the reduce zeroes what it read)
     side_streams_noted: bool = False  # ``CommStreams.shared_with_side_streams`` was told of it
+    held: list | None = None  # autograd's gradients the last reduce read, alive until it is done
+
+    @torch.inference_mode(False)  # persistent buffers must outlive an inference-mode first call
+    def allocated(self) -> torch.Tensor:
+        if self.tensor is None:
+            self.tensor = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            self.zeroed, self.side_streams_noted = True, False
+        return self.tensor
 
     def take_for_backward(self) -> None:
         """Hand the buffer to a backward that accumulates into it: zero unless the last reduce
         already did (on its stream, off the compute stream's path), or the buffer is new."""
         self.wait_until_reduced()
+        self.held = None
+        tensor = self.allocated()
         if not self.zeroed:
-            self.tensor.zero_()  # the whole buffer: an abandoned backward may have written anywhere
+            tensor.zero_()  # the whole buffer: an abandoned backward may have written anywhere
         self.zeroed = False
+
+    def take_for_written_backward(self) -> None:
+        """Before a backward whose gradients autograd allocates: what the last reduce read goes back
+        to the allocator, once the compute stream (where it was allocated) has waited for that reduce."""
+        if self.held is not None:
+            self.wait_until_reduced()
+            self.held = None
 
     def wait_until_reduced(self) -> None:
         if self.reduce_done is not None:
-            torch.cuda.current_stream(self.tensor.device).wait_event(self.reduce_done)
+            torch.cuda.current_stream(self.device).wait_event(self.reduce_done)
 
 
 @dataclass
@@ -74,12 +104,11 @@ class FlatBuffers:
     @torch.inference_mode(False)  # persistent buffers must outlive an inference-mode first call
     def allocate(cls, numel: int, dtypes: BufferDtypes, device: torch.device) -> FlatBuffers:
         params = torch.empty(numel, dtype=dtypes.compute, device=device)
-        grads = torch.zeros(numel, dtype=dtypes.compute, device=device)
-        return cls(params, GradBuffer(grads))
+        return cls(params, GradBuffer(numel, dtypes.compute, device))  # gradients: at first use
 
     def nbytes_held(self) -> int:
         """Bytes of device memory these buffers hold now (0 for a dynamic unit between unshards)."""
-        return sum(t.untyped_storage().nbytes() for t in (self.params, self.grads.tensor))
+        return sum(t.untyped_storage().nbytes() for t in (self.params, self.grads.tensor) if t is not None)
 
 
 @dataclass

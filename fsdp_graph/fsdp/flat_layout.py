@@ -84,6 +84,7 @@ class FlatLayout:
         self.gathered_numel = world_size * shard_cursor
         self.unsharded_numel = _round_up(cursor, ALIGN_NUMEL)
         self._moved = [s for s in self.spans if s.chunk_numel]  # what copy_in / copy_out move (no empties)
+        self.moved_indices = [i for i, s in enumerate(self.spans) if s.chunk_numel]
         self._chunk_sizes = [s.chunk_numel for s in self._moved]
 
     # -- views of a shard-sized buffer (masters, sharded gradients) ---------------------
@@ -120,8 +121,10 @@ class FlatLayout:
             torch.split_with_sizes_copy(by_rank, self._chunk_sizes, dim=1, out=targets)
 
     def copy_in(self, sources: list[torch.Tensor], by_rank: torch.Tensor) -> None:
-        """Gathered buffer (``by_rank``) <- unsharded buffer, casting to its dtype, before a
-        reduce-scatter, in one kernel. ``sources``: ``padded_views`` of the unsharded buffer."""
+        """Gathered buffer (``by_rank``) <- unsharded gradients, casting to its dtype, before a
+        reduce-scatter, in one kernel. ``sources``: one tensor per parameter of ``moved_indices``,
+        the ``padded_views`` of an unsharded buffer or full-shape tensors (``_chunk_cat`` pads
+        their rows to ``world · c`` with zeros, as the padded views hold)."""
         if sources:
             torch._chunk_cat(sources, dim=0, num_chunks=self.world_size, out=by_rank)
 

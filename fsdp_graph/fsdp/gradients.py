@@ -1,13 +1,18 @@
 """A unit's gradients: persistent unsharded targets, ``no_sync`` accumulation, the reduce-scatter.
 
-Before the unit's backward, ``prepare`` points every trainable unsharded parameter's ``.grad`` at
-a view of a persistent buffer (zero: the reduce that last read it zeroed it on the reduce stream,
-off the compute stream's path), so AccumulateGrad adds into it in place and never adopts
-a tensor of its own: gradient addresses are fixed. The buffer is the unit's gradient buffer (next
-to its parameter buffer), or, while gradients accumulate without synchronisation (``no_sync``), a
-per-unit accumulation buffer that keeps its sum until the next synchronised backward.
+Before the unit's backward, ``prepare`` chooses where its gradients go:
 
-After the backward, ``reduce`` copies the target into the shared reduce staging in rank order,
+* by default, nowhere of ours: ``.grad`` of the unsharded parameters is None, AccumulateGrad keeps
+  the gradient autograd computed, and the reduce reads those tensors (held on the slot's
+  ``GradBuffer`` until the compute stream has waited for the reduce). No buffer sits in memory
+  between backwards, and nothing is zeroed and then accumulated into, as in FSDP2;
+* for a unit whose reduce replays as a CUDA graph (``collective_graphs``), which reads fixed
+  addresses: views of the unit's persistent gradient buffer (zero: the reduce that last read it
+  zeroed it on the reduce stream, off the compute stream's path), into which AccumulateGrad adds;
+* while gradients accumulate without synchronisation (``no_sync``): views of a per-unit
+  accumulation buffer that keeps its sum until the next synchronised backward.
+
+After the backward, ``reduce`` copies the gradients into the shared reduce staging in rank order,
 casting to ``reduce_dtype`` (one ``_chunk_cat`` kernel), reduce-scatters it, all-reduces across
 HSDP replicas, and averages the result into the masters' ``.grad`` (accumulated if already set,
 as autograd does). Those live in ``sharded_grads.py``: views of one buffer per unit that follows
@@ -54,6 +59,7 @@ class UnitGradients:
         self._views_of: FlatBuffers | None = None  # the buffers ``_views`` are views of
         self._views: list[torch.Tensor] = []
         self._target: GradBuffer | None = None
+        self._written = False  # this backward's gradients are autograd's own tensors (see the module docstring)
         self._copy_in_sources: dict[int, tuple] = {}  # id(target) -> (target, its padded views)
         self._staging: tuple | None = None  # (scratch, reduce_in by rank, reduce_in, this rank's row) of this unit
         self.collective_graphs: CollectiveGraphs | None = None  # the reduce replayed as graphs (graph strategies)
@@ -64,18 +70,26 @@ class UnitGradients:
 
     # -- around the backward ----------------------------------------------------------------
     def prepare(self, buffers: FlatBuffers, sync: bool) -> None:
-        """Point ``.grad`` of the trainable unsharded parameters at the persistent target."""
+        """Set ``.grad`` of the trainable unsharded parameters for this backward: None (autograd's
+        own tensors), or views of a persistent target (see the module docstring)."""
         if not self.trainable:
             return
         accumulate = not sync or self.accumulation_pending
-        if accumulate:
-            target, views = self._accumulation_buffer(), self._accum_views
+        self._written = not accumulate and self.collective_graphs is None
+        if self._written:
+            target = buffers.grads
+            target.take_for_written_backward()
+            for i in self.trainable:
+                self.params[i].unsharded.grad = None
         else:
-            target, views = buffers.grads, self._views_into(buffers)
-        if not (accumulate and self.accumulation_pending):
-            target.take_for_backward()
-        for i in self.trainable:
-            self.params[i].unsharded.grad = views[i]
+            if accumulate:
+                target, views = self._accumulation_buffer(), self._accum_views
+            else:
+                target, views = buffers.grads, self._views_into(buffers)
+            if not (accumulate and self.accumulation_pending):
+                target.take_for_backward()
+            for i in self.trainable:
+                self.params[i].unsharded.grad = views[i]
         self._target = target
 
     def finish(self, buffers: FlatBuffers, scratch: CommScratch, streams: CommStreams, sync: bool) -> None:
@@ -86,27 +100,34 @@ class UnitGradients:
         if sync:
             self._reduce(target, scratch, streams)
             self.accumulation_pending = False
-        else:
-            self.accumulation_pending = True
+            return
+        if self._written:  # no_sync set between this unit's pre- and post-backward: keep the sum
+            accum = self._accumulation_buffer()
+            accum.take_for_backward()
+            for i in self.trainable:
+                param = self.params[i].unsharded
+                if param.grad is not None:
+                    self._accum_views[i].copy_(param.grad)
+                param.grad = self._accum_views[i]
+        self.accumulation_pending = True
 
     def abandon(self) -> None:
         """A backward that will not finish (reset after an exception)."""
+        if self._target is not None and self._written:
+            for i in self.trainable:
+                self.params[i].unsharded.grad = None
         self._target = None
 
     def _views_into(self, buffers: FlatBuffers) -> list[torch.Tensor]:
-        if buffers is not self._views_of:
-            self._views = self.layout.param_views(buffers.grads.tensor[: self.layout.unsharded_numel])
+        if buffers is not self._views_of or self._views_of.grads.tensor is None:
+            self._views = self.layout.param_views(buffers.grads.allocated()[: self.layout.unsharded_numel])
             self._views_of = buffers
         return self._views
 
     def _accumulation_buffer(self) -> GradBuffer:
         if self._accum is None:
-            with torch.inference_mode(False):
-                tensor = torch.zeros(
-                    self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device
-                )
-            self._accum = GradBuffer(tensor)
-            self._accum_views = self.layout.param_views(tensor)
+            self._accum = GradBuffer(self.layout.unsharded_numel, self.compute_dtype, self.device)
+            self._accum_views = self.layout.param_views(self._accum.allocated())
         return self._accum
 
     def _sources(self, target: GradBuffer) -> list[torch.Tensor]:
@@ -114,6 +135,21 @@ class UnitGradients:
         if entry is None or entry[0] is not target:
             entry = self._copy_in_sources[id(target)] = (target, self.layout.padded_views(target.tensor))
         return entry[1]
+
+    def _take_written(self) -> list[torch.Tensor]:
+        """Autograd's gradients for the copy-in (zeros for a parameter that got none, or is frozen),
+        taken off the unsharded parameters so the next backward starts again from None."""
+        sources = []
+        for i in self.layout.moved_indices:
+            param = self.params[i].unsharded
+            grad = param.grad
+            if grad is None:
+                span = self.layout.spans[i]
+                grad = torch.zeros(span.shape, dtype=self.compute_dtype, device=self.device)
+            else:
+                param.grad = None
+            sources.append(grad)
+        return sources
 
     def _reduce(self, target: GradBuffer, scratch: CommScratch, streams: CommStreams) -> None:
         layout = self.layout
@@ -123,24 +159,31 @@ class UnitGradients:
         current = [m.grad for m in self._masters]  # read before the reduce changes them (post-accumulate hooks)
         # Memory taken now is taken on the compute stream, where its readers (optimizer, clipping) run.
         self.sharded.take(zeros=not all(map(operator.is_, current, repeat(None))), writer_stream=streams.reduce)
-        if not target.side_streams_noted:
+        written = self._take_written() if self._written else None
+        if written is None and not target.side_streams_noted:
             streams.shared_with_side_streams(target.tensor)
             target.side_streams_noted = True
         with streams.enter(streams.reduce):
             # (A unit with collective graphs has fixed addresses: graph_modules requires them.)
             graphs = self.collective_graphs if shared and can_replay(self.collective_graphs) else None
+            if written is not None:
+                graphs = None  # (a unit whose reduce replays keeps its gradients in the fixed buffer)
             # Staging of its own (see ``buffers.CommScratch``) is allocated on this stream and freed
             # when this function returns: the allocator hands the block only to later work of this
             # stream, which is queued after these kernels.
             by_rank, grads, reduced = self._staging[1:] if shared else self._staging_views(
                 torch.empty(layout.gathered_numel, dtype=scratch.dtypes.reduce, device=self.device))
-            sources = self._sources(target)
-            if graphs is None:
-                self._copy_in(sources, by_rank, target)
+            if written is not None:
+                self.layout.copy_in(written, by_rank)
+                target.held = written  # until the compute stream has waited for this reduce
             else:
-                key = (target.tensor.data_ptr(), grads.data_ptr(), reduced.data_ptr())
-                graphs.run("copy_in", key, lambda: self._copy_in(sources, by_rank, target))
-            target.zeroed = True
+                sources = self._sources(target)
+                if graphs is None:
+                    self._copy_in(sources, by_rank, target)
+                else:
+                    key = (target.tensor.data_ptr(), grads.data_ptr(), reduced.data_ptr())
+                    graphs.run("copy_in", key, lambda: self._copy_in(sources, by_rank, target))
+                target.zeroed = True
             target.reduce_done = streams.record(streams.reduce)  # the target is free again
             if self.group is None and self.replicate_group is None:
                 pass  # one process: the staging holds the sum, and the output is its only row
@@ -237,14 +280,23 @@ class UnitGradients:
         return [b for b in (buffers.grads if buffers is not None else None, self._accum) if b is not None]
 
     def forget_events(self, buffers: FlatBuffers | None) -> None:
+        """(After a device synchronise: every reduce is done.)"""
         for buffer in self._grad_buffers(buffers):
             buffer.reduce_done = None
+            buffer.held = None
+
+    def release_read(self, buffers: FlatBuffers | None) -> None:
+        """Once the compute stream has waited for every reduce (the end of a backward): the
+        gradients the reduces read go back to the allocator."""
+        if buffers is not None:
+            buffers.grads.held = None
 
     def forget_zeroed(self, buffers: FlatBuffers | None) -> None:
         """After a capture that failed midway: its steps flagged buffers as zeroed by kernels that
         were recorded, never run. The next backward zeroes them."""
         for buffer in self._grad_buffers(buffers):
             buffer.zeroed = False
+            buffer.held = None
 
     def snapshot(self) -> tuple:
         """What unit steps run at graph capture may change: the masters' ``.grad``, the sharded

@@ -42,8 +42,8 @@ def unit_buffers(unit: FSDPUnit) -> UnitBuffers:
         own = max(gather, reduce)
     if buffers is None:  # a slot unit before its first unshard
         return UnitBuffers(unit.placement, (0, 0), (0, 0), 0, own)
-    return UnitBuffers(unit.placement, _range(buffers.params), _range(buffers.grads.tensor), buffers.nbytes_held(),
-                       own)
+    grads = (0, 0) if buffers.grads.tensor is None else _range(buffers.grads.tensor)  # (allocated at first use)
+    return UnitBuffers(unit.placement, _range(buffers.params), grads, buffers.nbytes_held(), own)
 
 
 def sharded_grad_bytes_held(unit: FSDPUnit) -> int:

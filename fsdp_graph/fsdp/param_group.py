@@ -125,7 +125,8 @@ class ParamGroup:
 
     def _dynamic_storages(self):
         b, streams = self.buffers, self._streams
-        return [(b.params, streams.all_gather), (b.grads.tensor, streams.reduce)]
+        return [(t, stream) for t, stream in ((b.params, streams.all_gather), (b.grads.tensor, streams.reduce))
+                if t is not None]
 
     def _free_dynamic(self) -> None:
         """Dynamic placement, at reshard: give the memory back. The storage objects stay, so every

@@ -141,6 +141,13 @@ class RootContext:
                 unit.post_backward()
         self.order.backward_done()
         self.streams.wait_for_all()
+        self._release_read_gradients()
+
+    def _release_read_gradients(self) -> None:
+        """After ``wait_for_all``: the gradients the reduces read go back to the allocator (on the
+        compute stream, which has now waited for them)."""
+        for unit in self.units:
+            unit.grads.release_read(unit.param_group.buffers)
 
     # -- steps that are no training step (graph capture) ----------------------------------
     @contextmanager
@@ -156,6 +163,7 @@ class RootContext:
             yield
         finally:
             self.streams.wait_for_all()
+            self._release_read_gradients()
             for unit, snapshot in zip(self.units, grads):
                 unit.reset_if_stuck()
                 unit.param_group.clear_prefetch()
