@@ -101,7 +101,7 @@ class UnitGradients:
             self._reduce(target, scratch, streams)
             self.accumulation_pending = False
             return
-        if self._written:  # no_sync set between this unit's pre- and post-backward: keep the sum
+        if target is not self._accum:  # no_sync set between this unit's pre- and post-backward: keep the sum
             accum = self._accumulation_buffer()
             accum.take_for_backward()
             for i in self.trainable:
@@ -109,6 +109,7 @@ class UnitGradients:
                 if param.grad is not None:
                     self._accum_views[i].copy_(param.grad)
                 param.grad = self._accum_views[i]
+            target.zeroed = self._written  # (the fixed buffer holds this backward's gradients)
         self.accumulation_pending = True
 
     def abandon(self) -> None:
@@ -148,6 +149,8 @@ class UnitGradients:
                 grad = torch.zeros(span.shape, dtype=self.compute_dtype, device=self.device)
             else:
                 param.grad = None
+                if grad.layout != torch.strided:  # (a sparse embedding's gradient)
+                    grad = grad.to_dense()
             sources.append(grad)
         return sources
 

@@ -1,0 +1,78 @@
+"""The two ways a unit's gradients reach its reduce (autograd's own tensors; the fixed buffer of a
+unit whose reduce replays as a graph), on the cases a review found: no_sync switched on in the middle
+of a unit's backward, and a sparse embedding gradient. Against a replicated reference, one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_graph
+from fsdp_graph.fsdp.capture_interface import units_in
+
+
+class _EagerBodies:
+    """Stands in for a unit's collective graphs on CPU: eager bodies, fixed gradient addresses."""
+
+    def run(self, name, key, body) -> None:
+        body()
+
+    def forget(self) -> None:
+        pass
+
+
+def _full(grad):
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+class Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 7)
+        self.a = nn.Sequential(nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 7))
+        self.b = nn.Sequential(nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 7))
+
+    def forward(self, x):
+        return self.b(self.a(self.first(x))).pow(2).sum()
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["autograd_tensors", "fixed_buffer"])
+def test_no_sync_switched_on_inside_a_units_backward_keeps_that_gradient(fixed, monkeypatch):
+    torch.manual_seed(0)
+    model = Two()
+    ref = copy.deepcopy(model)
+    fsdp_graph.fully_shard(model.a)
+    fsdp_graph.fully_shard(model.b)
+    fsdp_graph.fully_shard(model)
+    if fixed:
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        for unit in units_in(model):
+            unit.replay_collectives(_EagerBodies())
+    xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+
+    def flip(grad):
+        model.a.set_requires_gradient_sync(False)
+
+    handle = model.a[1].register_forward_hook(lambda m, i, o: o.register_hook(flip) and None)
+    model(xs[0]).backward()  # unit a's pre-backward ran with sync on, its post-backward sees it off
+    handle.remove()
+    model.a.set_requires_gradient_sync(True)
+    model(xs[1]).backward()
+    for x in xs:
+        ref(x).backward()
+    for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p.grad), rp.grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_sparse_embedding_gradient_is_reduced_like_a_dense_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 4, sparse=True), nn.Linear(4, 3))
+    ref = copy.deepcopy(model)
+    fsdp_graph.fully_shard(model)
+    idx = torch.tensor([[1, 2, 3], [4, 1, 0]])
+    model(idx).sum().backward()
+    ref(idx).sum().backward()
+    torch.testing.assert_close(_full(model[0].weight.grad), ref[0].weight.grad.to_dense())
