@@ -33,6 +33,7 @@ from fsdp_graph.fsdp import collectives, gradients, param_group
 from fsdp_graph.fsdp.flat_layout import FlatLayout
 from fsdp_graph.fsdp.gradients import UnitGradients
 from fsdp_graph.fsdp.root import RootContext
+from fsdp_graph.fsdp.sharded_grads import ShardedGrads
 from fsdp_graph.fsdp.unit import FSDPUnit
 
 CYCLES = 400_000  # about 0.2 ms at the H200's clock: longer than any kernel of the test model
@@ -43,7 +44,7 @@ SITES = {
                 (FSDPUnit, "post_backward"), (UnitGradients, "prepare"), (RootContext, "end_backward")],
     "all_gather": [(param_group, "all_gather_inplace"), (FlatLayout, "copy_out")],
     "reduce": [(FlatLayout, "copy_in"), (gradients, "reduce_scatter_sum"), (gradients, "all_reduce"),
-               (UnitGradients, "_accumulate_sharded")],
+               (ShardedGrads, "accumulate")],
 }
 
 

@@ -79,8 +79,15 @@ def _steady_state_allocations(info, mp_policy, set_to_none) -> None:
     # taken and given back within the hook.
     grads = sum(_rounded(sharded_grad_bytes(u)) for u in units) * counted if set_to_none else 0
     assert counts["pre_forward"] == -grads, counts
-    assert counts["post_backward"] + counts["end_backward"] == grads, counts
-    assert counts["post_forward"] == counts["pre_backward"] == 0, counts
+    # The unsharded gradients are autograd's own tensors, allocated by the backward outside the
+    # hooks; the reduce reads them, and they are given back once the compute stream has waited for
+    # it: at the slot's next pre-backward, or at the end of the backward.
+    compute = torch.bfloat16 if mp_policy is not None else torch.float32
+    autograd_grads = counted * sum(_rounded(p.unsharded.numel() * compute.itemsize)
+                                   for u in units for p in u.params if p.requires_grad)
+    assert counts["pre_backward"] <= 0, counts
+    assert counts["pre_backward"] + counts["post_backward"] + counts["end_backward"] == grads - autograd_grads, counts
+    assert counts["post_forward"] == 0, counts
     # The only other allocations are the metadata tables split_with_sizes_copy / _chunk_cat (FSDP2's
     # copy kernels) allocate and free within the call (inside a whole-step capture: the graph's pool).
     assert all(v <= TRANSIENT_LIMIT for v in transient.values()), f"transient bytes in hooks: {transient}"

@@ -26,11 +26,11 @@ from stream_delays import STREAMS, inject, queued
 from test_full_iteration_gpu import _stacked_batch
 from test_graph_parity_gpu import _build
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
-)
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 STEPS, WARMUP = 6, 2
 CASES = {  # strategy, micro-batches per step, max_grad_norm, optimizer inside the step
+    "eager_clip": ("none", 1, 1.0, True),
     "eager_accumulate_clip": ("none", 2, 1.0, True),
     "layer_graphs_clip": ("layer", 1, 1.0, True),
     "whole_step_accumulate_clip": ("full_iteration", 2, 1.0, True),
@@ -75,6 +75,7 @@ def _delays_change_nothing(info, case: str) -> None:
             assert torch.equal(delayed_state[key], value), f"{case}, delays on the {stream} stream: {key} differs"
 
 
+@two_gpus
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_delays_on_every_stream_change_no_bit(case):
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -91,12 +92,14 @@ def _delays_change_nothing_without_a_group(info, case: str) -> None:
 def test_delays_change_no_bit_on_one_gpu_without_a_process_group(case):
     """One GPU, no process group: the unshard and the reduce run no collective, so no NCCL stream
     orders a reduce before the next all-gather. Within one backward, the unit that takes a slot
-    after another (block 0 after block 3 here) writes the slot's gradient buffer, which the other
-    unit's reduce copied in and zeroed on the reduce stream; only the wait on ``reduce_done``
-    (``GradBuffer.take_for_backward``) orders the two. This is the edge the two-GPU runs cannot
+    after another (block 0 after block 3 here) gives back, at its pre-backward, the gradients the
+    other unit's reduce read on the reduce stream (autograd's own tensors, held on the slot), and
+    its backward allocates new ones from that memory; only the wait on ``reduce_done``
+    (``GradBuffer.release_held``) orders the two. This is the edge the two-GPU runs cannot
     isolate (``docs/stream_handoffs.md``). The cases with two micro-batches do not have this edge
-    (each unit accumulates into a buffer of its own), so deleting that wait fails the other two
-    cases only (measured: both, from step 1). In a process of its own, as the other cases: deterministic
+    (each unit accumulates into a buffer of its own); under layer graphs the slot units' reduces
+    replay and read the slot's fixed gradient buffer instead, ordered by the same event
+    (``GradBuffer.take_for_backward``). In a process of its own, as the other cases: deterministic
     cuBLAS needs its workspace setting before the process first uses cuBLAS."""
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     run_ranks(_delays_change_nothing_without_a_group, 1, case)

@@ -80,9 +80,9 @@ class GradBuffer:
             tensor.zero_()  # the whole buffer: an abandoned backward may have written anywhere
         self.zeroed = False
 
-    def take_for_written_backward(self) -> None:
-        """Before a backward whose gradients autograd allocates: what the last reduce read goes back
-        to the allocator, once the compute stream (where it was allocated) has waited for that reduce."""
+    def release_held(self) -> None:
+        """What the last reduce read goes back to the allocator, once the compute stream (where it was
+        allocated, and where the allocator hands it out next) has waited for that reduce."""
         if self.held is not None:
             self.wait_until_reduced()
             self.held = None

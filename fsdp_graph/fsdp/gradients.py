@@ -1,4 +1,4 @@
-"""A unit's gradients: persistent unsharded targets, ``no_sync`` accumulation, the reduce-scatter.
+"""A unit's gradients: where its backward leaves them, ``no_sync`` accumulation, the reduce-scatter.
 
 Before the unit's backward, ``prepare`` chooses where its gradients go:
 
@@ -32,7 +32,7 @@ from .buffers import CommScratch, FlatBuffers, GradBuffer
 from .collective_graphs import CollectiveGraphs, can_replay
 from .collectives import CommStreams, all_reduce, collective_failed, reduce_scatter_sum
 from .flat_layout import FlatLayout
-from .mesh import ShardMesh, local_tensor
+from .mesh import ShardMesh
 from .sharded_grads import ShardedGrads
 from .sharded_param import ShardedParam
 
@@ -63,22 +63,24 @@ class UnitGradients:
         self._copy_in_sources: dict[int, tuple] = {}  # id(target) -> (target, its padded views)
         self._staging: tuple | None = None  # (scratch, reduce_in by rank, reduce_in, this rank's row) of this unit
         self.collective_graphs: CollectiveGraphs | None = None  # the reduce replayed as graphs (graph strategies)
+        self._zero: torch.Tensor | None = None  # the gradient of a frozen parameter, or of one that got none
 
     def refresh_trainable(self) -> None:
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         self._masters = [self.params[i].master for i in self.trainable]
 
     # -- around the backward ----------------------------------------------------------------
-    def prepare(self, buffers: FlatBuffers, sync: bool) -> None:
+    def prepare(self, buffers: FlatBuffers, scratch: CommScratch, sync: bool) -> None:
         """Set ``.grad`` of the trainable unsharded parameters for this backward: None (autograd's
         own tensors), or views of a persistent target (see the module docstring)."""
         if not self.trainable:
             return
         accumulate = not sync or self.accumulation_pending
-        self._written = not accumulate and self.collective_graphs is None
+        fixed = self.collective_graphs is not None and scratch.fits(self.layout.gathered_numel)
+        self._written = not accumulate and not fixed
         if self._written:
             target = buffers.grads
-            target.take_for_written_backward()
+            target.release_held()
             for i in self.trainable:
                 self.params[i].unsharded.grad = None
         else:
@@ -145,14 +147,21 @@ class UnitGradients:
             param = self.params[i].unsharded
             grad = param.grad
             if grad is None:
-                span = self.layout.spans[i]
-                grad = torch.zeros(span.shape, dtype=self.compute_dtype, device=self.device)
+                grad = self._zeros(self.layout.spans[i].shape)
             else:
                 param.grad = None
                 if grad.layout != torch.strided:  # (a sparse embedding's gradient)
                     grad = grad.to_dense()
             sources.append(grad)
         return sources
+
+    def _zeros(self, shape: torch.Size) -> torch.Tensor:
+        """A view of one persistent zero tensor (the unit's largest parameter): made once, only read."""
+        if self._zero is None:
+            with torch.inference_mode(False):
+                numel = max(span.numel for span in self.layout.spans)
+                self._zero = torch.zeros(numel, dtype=self.compute_dtype, device=self.device)
+        return self._zero[: shape.numel()].view(shape)
 
     def _reduce(self, target: GradBuffer, scratch: CommScratch, streams: CommStreams) -> None:
         layout = self.layout
@@ -194,8 +203,8 @@ class UnitGradients:
                 self._reduce_scatter(grads, reduced)
             else:
                 graphs.run("reduce_scatter", key, lambda: self._reduce_scatter(grads, reduced))
-            self._accumulate_sharded(reduced, current)
-            self._run_post_accumulate_hooks()
+            self.sharded.accumulate(reduced, current, self.trainable, 1.0 / (self.divide_factor or self.world_size))
+            self.sharded.run_post_accumulate_hooks(self._masters)
 
     def _copy_in(self, sources: list[torch.Tensor], by_rank: list[torch.Tensor], target: GradBuffer) -> None:
         """The gradients into the staging in rank order (reduce dtype); the target zeroed for the
@@ -218,47 +227,6 @@ class UnitGradients:
         layout = self.layout
         by_rank = layout.by_rank(reduce_in)
         return by_rank, reduce_in[: layout.gathered_numel], by_rank[layout.rank]
-
-    def _accumulate_sharded(self, reduced: torch.Tensor, current: list[torch.Tensor | None]) -> None:
-        """master.grad (+)= reduced / world_size, as autograd would accumulate into ``.grad``."""
-        scale = 1.0 / (self.divide_factor or self.world_size)
-        masters, flat = self._masters, self.sharded.flat
-        views = [self.sharded.views[i] for i in self.trainable]
-        if all(map(operator.is_, current, repeat(None))):
-            if reduced.dtype == flat.dtype:
-                torch.mul(reduced, scale, out=flat)  # one pass instead of zero_ + add_
-            else:  # add_ scales in the master dtype (a mul would scale in the reduce dtype)
-                flat.zero_()
-                flat.add_(reduced, alpha=scale)
-            for master, view in zip(masters, views):
-                master.grad = view
-        elif all(map(operator.is_, current, views)):
-            flat.add_(reduced, alpha=scale)
-        else:
-            for master, grad, view, i in zip(masters, current, views, self.trainable):
-                span = self.layout.spans[i]
-                piece = reduced.narrow(0, span.shard_offset, span.local_rows * span.row_numel).view(span.local_shape)
-                if grad is None:
-                    self.sharded.local_views[i].zero_()
-                    master.grad = grad = view
-                local_tensor(grad).add_(piece, alpha=scale)
-
-    def _run_post_accumulate_hooks(self) -> None:
-        """Hooks registered on the masters with ``register_post_accumulate_grad_hook`` (optimizer in
-        backward): run once the master's ``.grad`` holds the reduced gradient, as FSDP2 runs them
-        (autograd never accumulates into a master, so it would never call them). On GPU they run
-        on the reduce stream, after the reduce. A whole-step graph cannot replay Python: refused."""
-        for master in self._masters:
-            hooks = master._post_accumulate_grad_hooks
-            if hooks:
-                if master.is_cuda and torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError(
-                        "a parameter of this model has a post-accumulate-grad hook (optimizer in backward), "
-                        "which a whole-step CUDA graph cannot replay. Step the optimizer after backward, or "
-                        "use GraphConfig(strategy='layer') / 'none'."
-                    )
-                for hook in list(hooks.values()):
-                    hook(master)
 
     # -- between steps ----------------------------------------------------------------------
     def clear(self) -> None:

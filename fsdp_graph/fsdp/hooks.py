@@ -53,7 +53,7 @@ BACKWARD_SENTINEL = "_cuda_graph_backward_handler"
 
 # -- inner handlers (callable on their own) ------------------------------------------------
 def pre_backward_handler(module: nn.Module) -> None:
-    """Unshard for backward, point .grad at the persistent gradient buffer, prefetch the previous unit."""
+    """Unshard for backward, choose where the gradients go (``UnitGradients.prepare``), prefetch the previous unit."""
     root_of(module).pre_backward(unit_of(module))
 
 

@@ -94,6 +94,8 @@ class ParamGroup:
     def bind(self, placement: Placement, pool: SlotPool | None, scratch: CommScratch, streams: CommStreams) -> None:
         """Take the placement the root planned (at its lazy init; again after a re-plan)."""
         self.placement, self._pool, self.scratch, self._streams = placement, pool, scratch, streams
+        if self.buffers is not None:
+            self.buffers.grads.release_held()  # (read by a reduce of a failed backward, perhaps in flight)
         self.buffers, self.state, self._unshard_event = None, ShardState.SHARDED, None
         self._shared_staging = None
         if self.collective_graphs is not None:

@@ -100,6 +100,8 @@ class RootContext:
         stuck = [unit for unit in self.units if unit.state is not TrainingState.IDLE]
         if stuck or self._failed_step is not None:
             self._agree_to_go_on(self._failed_step or f"unit {stuck[0].name} was left in {stuck[0].state.value}")
+            self.streams.wait_for_all()  # the failed backward's reduces, before what they read is freed
+            self._release_read_gradients()
         for unit in self.units:
             unit.reset_if_stuck()
             unit.param_group.clear_prefetch()

@@ -21,7 +21,9 @@ plain local view without a mesh.
 
 from __future__ import annotations
 
+import operator
 import sys
+from itertools import repeat
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -91,6 +93,48 @@ class ShardedGrads:
     def _only_ours(self) -> bool:
         holders = self._holders()
         return holders is not None and holders == self._own_holders
+
+    def accumulate(self, reduced: torch.Tensor, current: list, trainable: list[int], scale: float) -> None:
+        """master.grad (+)= reduced · scale, as autograd would accumulate into ``.grad``. ``current``:
+        the trainable masters' ``.grad`` before the reduce (``reduced`` is this rank's shard)."""
+        masters = [self.params[i].master for i in trainable]
+        views = [self.views[i] for i in trainable]
+        if all(map(operator.is_, current, repeat(None))):
+            if reduced.dtype == self.flat.dtype:
+                torch.mul(reduced, scale, out=self.flat)  # one pass instead of zero_ + add_
+            else:  # add_ scales in the master dtype (a mul would scale in the reduce dtype)
+                self.flat.zero_()
+                self.flat.add_(reduced, alpha=scale)
+            for master, view in zip(masters, views):
+                master.grad = view
+        elif all(map(operator.is_, current, views)):
+            self.flat.add_(reduced, alpha=scale)
+        else:
+            for master, grad, view, i in zip(masters, current, views, trainable):
+                span = self.layout.spans[i]
+                piece = reduced.narrow(0, span.shard_offset, span.local_rows * span.row_numel).view(span.local_shape)
+                if grad is None:
+                    self.local_views[i].zero_()
+                    master.grad = grad = view
+                local_tensor(grad).add_(piece, alpha=scale)
+
+    @staticmethod
+    def run_post_accumulate_hooks(masters: list[torch.Tensor]) -> None:
+        """Hooks registered on the masters with ``register_post_accumulate_grad_hook`` (optimizer in
+        backward): run once the master's ``.grad`` holds the reduced gradient, as FSDP2 runs them
+        (autograd never accumulates into a master, so it would never call them). On GPU they run
+        on the reduce stream, after the reduce. A whole-step graph cannot replay Python: refused."""
+        for master in masters:
+            hooks = master._post_accumulate_grad_hooks
+            if hooks:
+                if master.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(
+                        "a parameter of this model has a post-accumulate-grad hook (optimizer in backward), "
+                        "which a whole-step CUDA graph cannot replay. Step the optimizer after backward, or "
+                        "use GraphConfig(strategy='layer') / 'none'."
+                    )
+                for hook in list(hooks.values()):
+                    hook(master)
 
     def release_if_dropped(self) -> None:
         """At the unit's next forward: give the memory back if every ``.grad`` was set to None."""

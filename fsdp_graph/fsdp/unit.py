@@ -196,8 +196,8 @@ class FSDPUnit:
         return True
 
     def pre_backward(self) -> bool:
-        """Unshard again (unless the buffer still holds the parameters), point ``.grad`` at the
-        persistent targets, prefetch the previous unit. False when already done for this backward."""
+        """Unshard again (unless the buffer still holds the parameters), choose where the gradients
+        go (``UnitGradients.prepare``), prefetch the previous unit. False when already done for this backward."""
         if self.state is TrainingState.BACKWARD:
             return False  # several outputs each fire the hook; the first one does the work
         check_transition(self.name, "pre_backward", self.state, (TrainingState.IDLE,))
@@ -209,7 +209,7 @@ class FSDPUnit:
             group.unshard()
         group.use()
         self.state = TrainingState.BACKWARD
-        self.grads.prepare(group.buffers, self.requires_gradient_sync)
+        self.grads.prepare(group.buffers, group.scratch, self.requires_gradient_sync)
         self._grads_accumulated = 0
         self._prefetch_next(self.backward_prefetch, self._order.after_in_backward, for_backward=True)
         return True
