@@ -76,3 +76,59 @@ def test_a_sparse_embedding_gradient_is_reduced_like_a_dense_one():
     model(idx).sum().backward()
     ref(idx).sum().backward()
     torch.testing.assert_close(_full(model[0].weight.grad), ref[0].weight.grad.to_dense())
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(4))
+
+    def forward(self, x):
+        x = self.first(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).sum()
+
+
+def _fail_in_backward_of(module: nn.Module, action):
+    """A hook on ``module``'s output gradient (inside the enclosing unit's backward)."""
+    return module.register_forward_hook(lambda m, i, o: o.register_hook(action) and None)
+
+
+def test_a_slot_shared_by_both_paths_keeps_no_stale_gradient(monkeypatch):
+    """Blocks 0 and 2 share a slot; only block 0's reduce replays (fixed buffer). A backward that
+    fails inside block 0 leaves the buffer dirty; then no_sync switched on inside block 2's backward
+    (autograd's tensors) must not mark the slot's buffer zero: block 0 would add the stale sum in."""
+    torch.manual_seed(0)
+    model = Chain()
+    ref = copy.deepcopy(model)
+    for block in model.blocks:
+        fsdp_graph.fully_shard(block)
+    fsdp_graph.fully_shard(model)
+    x1, x2 = (torch.randn(3, 4, generator=torch.Generator().manual_seed(s)) for s in range(2))
+    model(x1)  # lazy init: slots taken in execution order
+    units = {u.module: u for u in units_in(model)}
+    assert units[model.blocks[0]].param_group.buffers is units[model.blocks[2]].param_group.buffers
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    units[model.blocks[0]].replay_collectives(_EagerBodies())
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    handle = _fail_in_backward_of(model.blocks[0][0], boom)  # after block 0's last Linear accumulated
+    with pytest.raises(RuntimeError, match="boom"):
+        model(x1).backward()
+    handle.remove()
+    model.zero_grad()
+
+    def flip(grad):
+        model.blocks[2].set_requires_gradient_sync(False)
+
+    handle = _fail_in_backward_of(model.blocks[2][0], flip)
+    model(x2).backward()
+    handle.remove()
+    ref(x2).backward()
+    for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
+        if not name.startswith("blocks.2."):  # (block 2's sum waits for the next synchronised backward)
+            torch.testing.assert_close(_full(p.grad), rp.grad, msg=lambda m: f"{name}: {m}")

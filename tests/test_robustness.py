@@ -56,11 +56,28 @@ def test_training_continues_after_an_exception_in_backward():
     train_beside_reference(model, ref, optimizers=optimizers)
 
 
-def test_a_backward_that_fails_midway_through_a_unit_leaves_no_stale_gradient():
-    """The failure comes after block 2's ``out`` accumulated into the unit's persistent gradient
-    buffer and before its reduce (which zeroes the buffer): the next step must not add it in."""
+class _EagerBodies:
+    """Stands in for the units' collective graphs on CPU: eager bodies, fixed gradient addresses."""
+
+    def run(self, name, key, body) -> None:
+        body()
+
+    def forget(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["autograd_tensors", "fixed_buffer"])
+def test_a_backward_that_fails_midway_through_a_unit_leaves_no_stale_gradient(fixed, monkeypatch):
+    """The failure comes after block 2's ``out`` got its gradient and before the unit's reduce.
+    With the fixed buffer (a reduce that replays as a graph) that gradient sits in the buffer,
+    which only the reduce zeroes; with autograd's tensors it sits on ``.grad``. The next step must
+    not add it in either way."""
     model, ref = build(CPU)
     shard(model)
+    if fixed:
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        for unit in units_in(model):
+            unit.replay_collectives(_EagerBodies())
     optimizers = sgd_pair(model, ref)
     idx, targets = global_batch(0, 1, CPU)
 

@@ -1,7 +1,10 @@
-"""Where unsharded parameters and gradients live: persistent slots, allocated once.
+"""Where unsharded parameters live: persistent slots, allocated once.
 
-A CUDA graph replays fixed addresses, so a unit's unsharded parameters and gradients must sit at
-the same address in every iteration. Three placements, decided once per root at lazy init:
+A CUDA graph replays fixed addresses, so a unit's unsharded parameters must sit at the same
+address in every iteration, and so must its gradients where a graph reads them (a reduce replayed
+as a graph: the placement's ``GradBuffer``, allocated at first use; otherwise the reduce reads
+autograd's own gradient tensors, see ``gradients.py``). Three placements, decided once per root at
+lazy init:
 
 * ``slot``: with ``double_buffer=True``, leaf units (units that contain no other unit) alternate
   between two slots, each unit always in the same slot (the alternation follows the first
@@ -16,7 +19,7 @@ the same address in every iteration. Three placements, decided once per root at 
   ``persist_buffer_on_alloc_fail=False``. Addresses move between iterations, so such units cannot
   be captured in CUDA graphs.
 
-"Reshard" only marks a buffer free; nothing persistent is ever freed. The plan is a pure function
+"Reshard" only marks a buffer free; no slot or dedicated buffer is ever freed. The plan is a pure function
 of ``PlacementRequest``s (sizes, dtypes, flags), testable without a process group or a GPU.
 """
 

@@ -11,7 +11,7 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
   training step, ``forget_events()`` around a capture that records the steps themselves, and
   ``capture_failed()`` when such a capture failed midway;
 * the persistence check (``require_fixed_addresses``): a graph may read a unit only if its
-  unsharded parameters and gradients never move;
+  unsharded parameters (and gradient buffer) never move;
 * address pins (``pin_addresses``): a graph captured on a module pins it, so that re-sharding
   it later is refused instead of leaving the graph reading stale addresses;
 * ``release_before_destroy``: a graph that captured collectives registers to be released before
@@ -65,7 +65,7 @@ __all__ = [
 
 
 def require_fixed_addresses(unit: FSDPUnit, what: str) -> None:
-    """Refuse a graph over ``unit`` unless its unsharded parameters and gradients never move."""
+    """Refuse a graph over ``unit`` unless its unsharded parameters (and gradient buffer) never move."""
     config = unit.config
     if not config.fixed_addresses:
         raise ValueError(

@@ -6,9 +6,10 @@ Before the unit's backward, ``prepare`` chooses where its gradients go:
   the gradient autograd computed, and the reduce reads those tensors (held on the slot's
   ``GradBuffer`` until the compute stream has waited for the reduce). No buffer sits in memory
   between backwards, and nothing is zeroed and then accumulated into, as in FSDP2;
-* for a unit whose reduce replays as a CUDA graph (``collective_graphs``), which reads fixed
-  addresses: views of the unit's persistent gradient buffer (zero: the reduce that last read it
-  zeroed it on the reduce stream, off the compute stream's path), into which AccumulateGrad adds;
+* for a unit whose reduce replays as a CUDA graph (``collective_graphs``, and its staging is the
+  shared one: ``CommScratch.fits``), which reads fixed addresses: views of the unit's persistent
+  gradient buffer (zero: the reduce that last read it zeroed it on the reduce stream, off the
+  compute stream's path), into which AccumulateGrad adds;
 * while gradients accumulate without synchronisation (``no_sync``): views of a per-unit
   accumulation buffer that keeps its sum until the next synchronised backward.
 
@@ -111,12 +112,11 @@ class UnitGradients:
                 if param.grad is not None:
                     self._accum_views[i].copy_(param.grad)
                 param.grad = self._accum_views[i]
-            target.zeroed = self._written  # (the fixed buffer holds this backward's gradients)
         self.accumulation_pending = True
 
     def abandon(self) -> None:
         """A backward that will not finish (reset after an exception)."""
-        if self._target is not None and self._written:
+        if self._written:  # (also after a reduce that raised before it took them)
             for i in self.trainable:
                 self.params[i].unsharded.grad = None
         self._target = None
@@ -156,7 +156,11 @@ class UnitGradients:
         return sources
 
     def _zeros(self, shape: torch.Size) -> torch.Tensor:
-        """A view of one persistent zero tensor (the unit's largest parameter): made once, only read."""
+        """A view of one persistent zero tensor (the unit's largest parameter): made once, only read.
+        Inside a graph capture a fresh one (the pool's, zeroed at each replay): a tensor made there
+        holds zeros only once the graph has run, so it cannot serve eager steps."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(shape, dtype=self.compute_dtype, device=self.device)
         if self._zero is None:
             with torch.inference_mode(False):
                 numel = max(span.numel for span in self.layout.spans)

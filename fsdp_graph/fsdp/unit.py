@@ -45,7 +45,8 @@ class UnitConfig:
 
     @property
     def fixed_addresses(self) -> bool:
-        """Unsharded parameters and gradients never move: what a CUDA graph needs."""
+        """Unsharded parameters (and gradient buffers, where a graph reads them) never move: what a
+        CUDA graph needs."""
         return self.double_buffer and self.persist_buffer_on_alloc_fail
 
 
