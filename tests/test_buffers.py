@@ -18,7 +18,7 @@ from models import build, local_loss, shard
 
 def _addresses_per_iteration(model, info, iterations: int = 3) -> list[dict]:
     """For every unit and iteration: addresses of its unsharded parameters (seen by the module
-    during forward) and of their gradients (after backward)."""
+    during forward) and of their gradients (where the unit's backward left them for its reduce)."""
     units = units_in(model)
     seen: list[dict] = []
     handles = []
@@ -27,18 +27,30 @@ def _addresses_per_iteration(model, info, iterations: int = 3) -> list[dict]:
         unit = module.fsdp_unit
         seen[-1][unit.name] = {"params": tuple(unsharded_param_addresses(unit))}
 
+    def record_grads(unit):
+        finish = unit.grads.finish
+
+        def recorded(*args):
+            seen[-1][unit.name]["grads"] = tuple(unsharded_grad_addresses(unit))
+            finish(*args)
+
+        unit.grads.finish = recorded
+
     for unit in units:
         handles.append(unit.module.register_forward_hook(record_forward, prepend=True))
+        record_grads(unit)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(iterations):
         seen.append({})
         local_loss(model, step, info).backward()
-        for unit in units:
-            seen[-1][unit.name]["grads"] = tuple(unsharded_grad_addresses(unit))
+        for unit in units:  # after the backward, no unit keeps unsharded gradients
+            assert all(ptr is None for ptr in unsharded_grad_addresses(unit)), unit.name
         opt.step()
         opt.zero_grad()
     for h in handles:
         h.remove()
+    for unit in units:
+        del unit.grads.finish
     return seen
 
 
@@ -78,16 +90,20 @@ def _stable_addresses(info, big_block, persist: bool, fixed_grads: bool) -> None
             continue
         first = seen[0][name]
         for later in seen[1:]:
-            assert later[name] == first, f"{name}: addresses moved between iterations"
+            assert later[name]["params"] == first["params"], f"{name}: parameter addresses moved between iterations"
         unit = units[name]
         lo, hi = unit_buffers(unit).grads
         group = unit.param_group
         if not (fixed_grads and group.scratch.fits(group.layout.gathered_numel)):
-            # The reduce read autograd's own gradients and let them go (also a unit whose reduce
-            # cannot replay: one larger than the shared staging).
-            assert all(ptr is None for step in seen for ptr in step[name]["grads"]), name
+            # The reduce read autograd's own gradients (also a unit whose reduce cannot replay: one
+            # larger than the shared staging), in no buffer of ours.
+            for step in seen:
+                for param, ptr in zip(unit.params, step[name]["grads"]):
+                    assert (ptr is not None) == param.requires_grad, f"{name}: {param.name}"
             assert (lo, hi) == (0, 0), f"{name}: a gradient buffer was allocated, and no graph reads it"
             continue
+        for later in seen[1:]:
+            assert later[name]["grads"] == first["grads"], f"{name}: gradient addresses moved between iterations"
         for param, ptr in zip(unit.params, first["grads"]):
             if param.requires_grad:
                 assert ptr is not None and lo <= ptr < hi, f"{name}: gradient of {param.name} outside the unit's buffer"

@@ -36,6 +36,7 @@ from .flat_layout import FlatLayout
 from .mesh import ShardMesh
 from .sharded_grads import ShardedGrads
 from .sharded_param import ShardedParam
+from .stray_gradients import drop_unsharded_grads, refuse_stray_gradients
 
 
 class UnitGradients:
@@ -79,11 +80,10 @@ class UnitGradients:
         accumulate = not sync or self.accumulation_pending
         fixed = self.collective_graphs is not None and scratch.fits(self.layout.gathered_numel)
         self._written = not accumulate and not fixed
+        refuse_stray_gradients(self.name, self.params, "found as its backward started")  # (finish leaves none)
         if self._written:
             target = buffers.grads
             target.release_held()
-            for i in self.trainable:
-                self.params[i].unsharded.grad = None
         else:
             if accumulate:
                 target, views = self._accumulation_buffer(), self._accum_views
@@ -103,22 +103,23 @@ class UnitGradients:
         if sync:
             self._reduce(target, scratch, streams)
             self.accumulation_pending = False
-            return
+        else:
+            self._keep_sum(target)
+        drop_unsharded_grads(self.params)  # (the next backward points .grad where it needs them again)
+
+    def _keep_sum(self, target: GradBuffer) -> None:
         if target is not self._accum:  # no_sync set between this unit's pre- and post-backward: keep the sum
             accum = self._accumulation_buffer()
             accum.take_for_backward()
             for i in self.trainable:
-                param = self.params[i].unsharded
-                if param.grad is not None:
-                    self._accum_views[i].copy_(param.grad)
-                param.grad = self._accum_views[i]
+                grad = self.params[i].unsharded.grad
+                if grad is not None:
+                    self._accum_views[i].copy_(grad)
         self.accumulation_pending = True
 
     def abandon(self) -> None:
         """A backward that will not finish (reset after an exception)."""
-        if self._written:  # (also after a reduce that raised before it took them)
-            for i in self.trainable:
-                self.params[i].unsharded.grad = None
+        drop_unsharded_grads(self.params)
         self._target = None
 
     def _views_into(self, buffers: FlatBuffers) -> list[torch.Tensor]:

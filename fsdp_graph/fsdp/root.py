@@ -22,6 +22,7 @@ from .agreement import AgreementError, agree
 from .buffers import plan_placements, plan_scratch
 from .collectives import CommStreams
 from .order import ExecutionOrder
+from .stray_gradients import refuse_stray_gradients
 from .training_state import TrainingState
 from .unit import FSDPUnit
 
@@ -106,6 +107,7 @@ class RootContext:
             unit.reset_if_stuck()
             unit.param_group.clear_prefetch()
             unit.grads.sharded.release_if_dropped()  # zero_grad(set_to_none=True): memory back before activations
+        self._refuse_stray_gradients("found at the next forward: no unit's backward started in that backward")
 
     def note_failed_step(self, error: BaseException) -> None:
         """A training step raised (``make_train_step`` tells; units left mid-step tell by themselves)."""
@@ -144,6 +146,13 @@ class RootContext:
         self.order.backward_done()
         self.streams.wait_for_all()
         self._release_read_gradients()
+        self._refuse_stray_gradients("found at the end of the backward")
+
+    def _refuse_stray_gradients(self, when: str) -> None:
+        """Every unit is idle: gradients on its unsharded parameters were left there outside its
+        backward (``stray_gradients.py``)."""
+        for unit in self.units:
+            refuse_stray_gradients(unit.name, unit.params, when)
 
     def _release_read_gradients(self) -> None:
         """After ``wait_for_all``: the gradients the reduces read go back to the allocator (on the
