@@ -66,6 +66,7 @@ from step_profile import kernel_breakdown  # noqa: E402
 
 SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp",
            "ours_full_iteration", "floor")
+OFFLOAD_SYSTEMS = ("ours_eager_offload",)  # added by --offload (GPU only)
 GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp", "ours_full_iteration",
                  "floor")
 WHOLE_GRAPH_SYSTEMS = ("fsdp2_full_graph", "floor")
@@ -228,6 +229,15 @@ def ours_eager(bench, env, batches, warmup):
     return train_step(model, make_optimizer(model, capturable=True)), None
 
 
+def ours_eager_offload(bench, env, batches, warmup):
+    """ours_eager with every block's saved activations in pinned host memory between its forward
+    and backward (``fsdp_graph.offload_activations``)."""
+    model = ours_sharded(bench, env)
+    step = train_step(model, make_optimizer(model, capturable=True))
+    step.offload = fsdp_graph.offload_activations(blocks_of(model))  # (lives as long as the step)
+    return step, None
+
+
 def ours_layer_graphs(bench, env, batches, warmup, collective_graphs=True):
     """Every block graphed (captured now, from an example forward on the first batch)."""
     model = ours_sharded(bench, env)
@@ -330,7 +340,7 @@ def floor(bench, env, batches, warmup):
     return owning(step, model, None), None  # no optimizer: its losses are not comparable
 
 
-BUILDERS = {name: globals()[name] for name in SYSTEMS}
+BUILDERS = {name: globals()[name] for name in SYSTEMS + OFFLOAD_SYSTEMS}
 
 
 # -- measuring ------------------------------------------------------------------------------
@@ -594,7 +604,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", nargs="+", default=["small"],
                    help="presets (small, medium; gpt also large, 1.3B) or, for gpt, "
                         "custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS + OFFLOAD_SYSTEMS)
+    p.add_argument("--offload", action="store_true",
+                   help="also run ours_eager_offload: every block's activations offloaded to pinned host memory")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="timed steps per system")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 warm-up and 3 timed steps (CPU/gloo in CI)")
@@ -640,7 +652,12 @@ def main(argv=None) -> None:
     records = []
     for config in args.config:
         bench = bench_config(config, args.model)
-        for system in args.systems:
+        systems = list(args.systems) + [s for s in OFFLOAD_SYSTEMS if args.offload and s not in args.systems]
+        for system in systems:
+            if system in OFFLOAD_SYSTEMS and not env.cuda:
+                records.append({"model": args.model, "config": bench.name, "system": system,
+                                "skipped": "activation offload needs a GPU"})
+                continue
             if system in GRAPH_SYSTEMS and not env.cuda:
                 records.append({"model": args.model, "config": bench.name, "system": system,
                                 "skipped": "CUDA graphs need a GPU"})

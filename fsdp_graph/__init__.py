@@ -17,6 +17,8 @@ The public API (README.md has the full picture; docs/architecture.md the design)
   graphs, chosen by configuration and validated up front.
 - ``graph_modules`` / ``select_modules``: graph chosen modules in place;
   ``make_graphed_callables``: the low-level capture with capture-time hooks.
+- ``offload_activations``: chosen modules' saved activations in pinned host memory between
+  forward and backward (eager modules).
 
 - ``fsdp_graph.hf``: HF transformers models (``shard_model``, ``take_capture_path``; docs/hf.md).
 
@@ -34,6 +36,7 @@ from .fsdp.mixed_precision import MixedPrecision, MixedPrecisionPolicy
 from .fsdp.shutdown import shutdown
 from .fsdp.state_dict import full_state_dict, load_full_state_dict
 from .fsdp.training_state import TransitionError
+from .graphs.activation_offload import offload_activations
 from .graphs.capture import make_graphed_callables
 from .graphs.host_sync import HostSyncError
 from .graphs.module_graphs import graph_modules, select_modules
@@ -60,6 +63,7 @@ __all__ = [
     "load_full_state_dict",
     "make_eval_step",
     "make_graphed_callables",
+    "offload_activations",
     "make_train_step",
     "post_backward_handler",
     "pre_backward_handler",

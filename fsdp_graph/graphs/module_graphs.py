@@ -45,6 +45,7 @@ from ..fsdp.capture_interface import (
     root_contexts,
     units_in,
 )
+from .activation_offload import refuse_offloaded
 from .capture import argument_names, capture_callables, require_cuda, static_copy
 from .frozen_arguments import new_object_each_call, same
 from .graphed_callable import GraphedCallable
@@ -262,6 +263,8 @@ def graph_modules(
     modules = list(modules)
     names = [_describe(m, i) for i, m in enumerate(modules)]
     _check_selection(modules, names, forward_only)
+    if not forward_only:
+        refuse_offloaded(modules, names)
     units = [_unit_to_unshard(m, name) for m, name in zip(modules, names)]
     require_cuda("graph_modules")
     kwargs_list = [None] * len(modules) if sample_kwargs is None else list(sample_kwargs)

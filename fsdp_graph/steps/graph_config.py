@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..fsdp.capture_interface import enclosing_unit, leaf_units, master_owner, require_fixed_addresses, units_in
+from ..graphs.activation_offload import refuse_offloaded
 from ..graphs.module_graphs import Selection, graph_kinds, select_modules
 
 STRATEGIES = ("none", "layer", "full_iteration")
@@ -159,6 +160,7 @@ def _check_whole(model: nn.Module, what: str, training: bool) -> None:
                 "another capture. Build the model without graph_modules (the whole graph contains the layers)."
             )
     if training:
+        refuse_offloaded([model], [what])
         stray = [n for n, p in model.named_parameters() if p.requires_grad and master_owner(p) is None]
         if stray:
             raise ValueError(
