@@ -46,5 +46,6 @@ def test_a_training_graph_of_an_offloaded_module_is_refused():
     with pytest.raises(ValueError, match="offloads its activations"):
         validate_graph_config(fsdp_graph.GraphConfig(strategy="full_iteration"), model)
     handle.remove()
-    with pytest.raises(RuntimeError, match="needs a CUDA device"):  # refused no more (CPU: no graphs at all)
+    with pytest.raises((RuntimeError, ValueError)) as refused:  # now for other reasons: CPU model or machine
         fsdp_graph.graph_modules([model.blocks[0]], [(torch.zeros(2, 8, 10),)])
+    assert "offload" not in str(refused.value)

@@ -38,6 +38,7 @@ around the forward capture. The unit's training state checks that the order is l
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -148,13 +149,25 @@ install_post_backward._cuda_graph_backward_handler = post_backward_handler
 def install_pre_backward(module: nn.Module, args: tuple, output):
     if not _hooks_active(module):
         return None
-    outputs = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor) and x.requires_grad]
-    for tensor in outputs:
+    for tensor in _grad_tensors(output):
         tensor.register_hook(_OutputGradHook(module))
     return None
 
 
 install_pre_backward._cuda_graph_backward_pre_handler = pre_backward_handler
+
+
+def _grad_tensors(output) -> list[torch.Tensor]:
+    """The tensors that need a gradient in a module's output: pytree containers, and dataclasses
+    (an HF ``ModelOutput`` is a registered container; a plain ``@dataclass`` is not), as FSDP2 finds them."""
+    found = []
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += _grad_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return found
 
 
 class _OutputGradHook:
@@ -166,6 +179,14 @@ class _OutputGradHook:
         self.module = module
 
     def __call__(self, grad: torch.Tensor) -> None:
+        if torch.is_grad_enabled():  # autograd runs backward with grad mode on only for create_graph=True
+            raise RuntimeError(
+                f"FSDP unit {unit_of(self.module).name}: a backward with create_graph=True (a double backward: "
+                "a gradient penalty, say) runs through this unit. Its backward graph would keep the unsharded "
+                "parameters, which the next unit to gather overwrites before the second backward reads them "
+                "(FSDP2 refuses it too). Compute the penalty outside the sharded modules, or train those modules "
+                "without fully_shard."
+            )
         root_of(self.module).queue_end_of_backward()
         pre_backward_handler(self.module)
 

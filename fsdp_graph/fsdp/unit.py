@@ -119,7 +119,7 @@ class FSDPUnit:
         self._grad_hooked: set[int] = set()
         self._grad_hooks_current = False  # every trainable unsharded parameter has its accumulation hook
         self._post_backward_from_params = False  # inputs need no grad: finish when all grads accumulated
-        self._grads_accumulated = 0
+        self._grads_accumulated: set[int] = set()
 
     def rename(self, name: str) -> None:
         self.name = self.param_group.name = self.grads.name = name
@@ -211,7 +211,7 @@ class FSDPUnit:
         group.use()
         self.state = TrainingState.BACKWARD
         self.grads.prepare(group.buffers, group.scratch, self.requires_gradient_sync)
-        self._grads_accumulated = 0
+        self._grads_accumulated = set()
         self._prefetch_next(self.backward_prefetch, self._order.after_in_backward, for_backward=True)
         return True
 
@@ -276,8 +276,8 @@ class FSDPUnit:
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         if not self._post_backward_from_params or self.state is not TrainingState.BACKWARD:
             return
-        self._grads_accumulated += 1
-        if self._grads_accumulated == len(self.grads.trainable):
+        self._grads_accumulated.add(id(param))  # (a parameter used several times accumulates several times)
+        if len(self._grads_accumulated) == len(self.grads.trainable):
             self.post_backward()
 
     # -- iteration boundaries and capture, by the root ------------------------------------

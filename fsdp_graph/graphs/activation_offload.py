@@ -56,15 +56,16 @@ class _Saved:
 class _Call:
     """One forward call of a chosen module: what it saved (weakly), and the chosen call before it."""
 
-    __slots__ = ("module_name", "saved", "previous", "__weakref__")
+    __slots__ = ("module_name", "saved", "by_id", "previous", "__weakref__")
 
     def __init__(self, module_name: str, previous: _Call | None) -> None:
         self.module_name = module_name
-        self.saved: dict[int, weakref.ref] = {}  # id(saved tensor) -> its _Saved (a tensor saved twice: once)
+        self.saved: list[weakref.ref] = []
+        self.by_id: dict[int, weakref.ref] = {}  # id(tensor) -> its _Saved: a tensor saved twice goes once
         self.previous = weakref.ref(previous) if previous is not None else None
 
     def alive(self) -> list[_Saved]:
-        return [s for s in (ref() for ref in self.saved.values()) if s is not None]
+        return [s for s in (ref() for ref in self.saved) if s is not None]
 
 
 def _dense(tensor: torch.Tensor) -> bool:
@@ -142,7 +143,7 @@ class ActivationOffload:
         if (not base.is_cuda or base.numel() * base.element_size() < self.min_bytes or _is_parameter(base)
                 or not _dense(base)):
             return tensor
-        known = call.saved.get(id(base))
+        known = call.by_id.get(id(base))  # (an id is reused once its tensor is gone: checked below)
         saved = known() if known is not None else None
         if saved is None or saved.alive() is not base or saved.version != base._version:
             saved = self._offload(call, base)
@@ -158,7 +159,8 @@ class ActivationOffload:
             saved.host.copy_(tensor, non_blocking=True)
             saved.offloaded = stream.record_event()
         tensor.record_stream(stream)  # its memory is reused once the copy has read it
-        call.saved[id(tensor)] = weakref.ref(saved)
+        call.saved.append(weakref.ref(saved))
+        call.by_id[id(tensor)] = call.saved[-1]
         return saved
 
     def _streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
@@ -206,7 +208,7 @@ class ActivationOffload:
                 "operation (x = x + y instead of x += y), or leave this module out of the offload selection."
             )
         if saved.device_tensor is None:
-            self.fetch(saved.call.alive())  # no prefetch reached this call (its outputs got no gradient)
+            self.fetch([saved, *saved.call.alive()])  # no prefetch reached this call (its outputs got no gradient)
         tensor = saved.device_tensor
         current = torch.cuda.current_stream(tensor.device)
         current.wait_event(saved.fetched)
