@@ -46,7 +46,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .registry import root_of, unit_of
-from .stray_gradients import stray_gradient_error
+from .stray_gradients import drop_unsharded_grads, stray_gradient_error
 from .training_state import TrainingState
 
 BACKWARD_PRE_SENTINEL = "_cuda_graph_backward_pre_handler"
@@ -114,6 +114,7 @@ class _PostBackwardTrigger(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         unit = unit_of(ctx.module)
         if unit.state is TrainingState.IDLE:  # no gradient passed through the unit's outputs first
+            drop_unsharded_grads(unit.params)  # (what autograd left there: the next step starts clean)
             raise stray_gradient_error(unit.name, "its inputs", "its post-backward trigger ran while it was idle")
         post_backward_handler(ctx.module)
         return (None, *grads)

@@ -107,7 +107,7 @@ class RootContext:
             unit.reset_if_stuck()
             unit.param_group.clear_prefetch()
             unit.grads.sharded.release_if_dropped()  # zero_grad(set_to_none=True): memory back before activations
-        self._refuse_stray_gradients("found at the next forward: no unit's backward started in that backward")
+        self._refuse_stray_gradients("found at the next forward: the step before ran its optimizer without them")
 
     def note_failed_step(self, error: BaseException) -> None:
         """A training step raised (``make_train_step`` tells; units left mid-step tell by themselves)."""

@@ -6,11 +6,12 @@ then clear the unsharded ``.grad``). Autograd can reach a unit's parameters or i
 passing through its outputs: a loss term computed from a tensor the forward kept but did not
 return (stored on the module, appended to a list). Such a backward reads whatever the unit's
 parameter buffer holds by then (another unit's weights, where they share a slot), and the
-gradients it leaves on the unsharded parameters are read by no reduce: lost without a word. It
-shows in three places, each of which raises this error: the post-backward trigger on the inputs
-firing in an idle unit, gradients found on the unsharded parameters when the unit's backward
-starts, and gradients left on an idle unit at the end of the backward (or, when no unit's
-backward started at all, at the next forward).
+gradients it leaves on the unsharded parameters are read by no reduce: lost without a word. Four
+checks raise this error (each drops what it found, so the next step starts clean): the
+post-backward trigger on the inputs firing in an idle unit, gradients found on the unsharded
+parameters when the unit's backward starts, gradients left on an idle unit at the end of the
+backward, and (when no unit's output got a gradient, so no end-of-backward step ran) at the next
+forward, after that step's optimizer step ran without them.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ def stray_gradient_error(unit_name: str, what: str, when: str) -> StrayGradientE
         "backward starts when a gradient reaches one of its outputs; here a loss term was most likely computed "
         "from a tensor the unit's forward kept but did not return (stored on the module, appended to a list). "
         "That backward would read parameters another unit may have overwritten since, and no reduce-scatter "
-        "would read its gradients. Return the tensor from the module's forward (as an extra output, as HF "
-        "models return router logits) and compute the loss term from the returned value, or detach the kept "
-        "tensor if the term should not train the unit."
+        "would read its gradients. Return the tensor from the module's forward (as an extra output) and "
+        "compute the loss term from the returned value, or detach the kept tensor if the term should not "
+        "train the unit. (A unit run more than once, or a double backward, can show the same way.)"
     )
 
 
