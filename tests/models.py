@@ -50,6 +50,17 @@ class TinyLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class EagerCollectiveBodies:
+    """Stands in for a unit's collective graphs on CPU (``unit.replay_collectives(...)``): the bodies
+    run eagerly, but the unit keeps its gradients at fixed addresses, as for real graphs."""
+
+    def run(self, name, key, body) -> None:
+        body()
+
+    def forget(self) -> None:
+        pass
+
+
 def lm_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = model(idx)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -13,15 +13,7 @@ import torch.nn as nn
 import fsdp_graph
 from fsdp_graph.fsdp.capture_interface import units_in
 
-
-class _EagerBodies:
-    """Stands in for a unit's collective graphs on CPU: eager bodies, fixed gradient addresses."""
-
-    def run(self, name, key, body) -> None:
-        body()
-
-    def forget(self) -> None:
-        pass
+from models import EagerCollectiveBodies
 
 
 def _full(grad):
@@ -50,7 +42,7 @@ def test_no_sync_switched_on_inside_a_units_backward_keeps_that_gradient(fixed, 
     if fixed:
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         for unit in units_in(model):
-            unit.replay_collectives(_EagerBodies())
+            unit.replay_collectives(EagerCollectiveBodies())
     xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(s)) for s in range(2)]
 
     def flip(grad):
@@ -111,7 +103,7 @@ def test_a_slot_shared_by_both_paths_keeps_no_stale_gradient(monkeypatch):
     units = {u.module: u for u in units_in(model)}
     assert units[model.blocks[0]].param_group.buffers is units[model.blocks[2]].param_group.buffers
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    units[model.blocks[0]].replay_collectives(_EagerBodies())
+    units[model.blocks[0]].replay_collectives(EagerCollectiveBodies())
 
     def boom(grad):
         raise RuntimeError("boom")

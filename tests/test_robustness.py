@@ -14,6 +14,7 @@ from fsdp_graph.fsdp.registry import units_in
 
 from dist_harness import run_ranks
 from models import (
+    EagerCollectiveBodies,
     assert_full_state_matches,
     build,
     global_batch,
@@ -56,15 +57,6 @@ def test_training_continues_after_an_exception_in_backward():
     train_beside_reference(model, ref, optimizers=optimizers)
 
 
-class _EagerBodies:
-    """Stands in for the units' collective graphs on CPU: eager bodies, fixed gradient addresses."""
-
-    def run(self, name, key, body) -> None:
-        body()
-
-    def forget(self) -> None:
-        pass
-
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["autograd_tensors", "fixed_buffer"])
 def test_a_backward_that_fails_midway_through_a_unit_leaves_no_stale_gradient(fixed, monkeypatch):
@@ -77,7 +69,7 @@ def test_a_backward_that_fails_midway_through_a_unit_leaves_no_stale_gradient(fi
     if fixed:
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         for unit in units_in(model):
-            unit.replay_collectives(_EagerBodies())
+            unit.replay_collectives(EagerCollectiveBodies())
     optimizers = sgd_pair(model, ref)
     idx, targets = global_batch(0, 1, CPU)
 

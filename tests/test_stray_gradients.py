@@ -16,15 +16,7 @@ import fsdp_graph
 from fsdp_graph.fsdp.capture_interface import units_in
 from fsdp_graph.fsdp.stray_gradients import StrayGradientError
 
-
-class _EagerBodies:
-    """Stands in for a unit's collective graphs on CPU: eager bodies, fixed gradient addresses."""
-
-    def run(self, name, key, body) -> None:
-        body()
-
-    def forget(self) -> None:
-        pass
+from models import EagerCollectiveBodies
 
 
 class KeepsAux(nn.Module):
@@ -67,7 +59,7 @@ def _sharded(returned: str, input_grad: bool, fixed: bool, monkeypatch) -> tuple
     if fixed:
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         for unit in units_in(model):
-            unit.replay_collectives(_EagerBodies())
+            unit.replay_collectives(EagerCollectiveBodies())
     return model, ref
 
 
