@@ -19,7 +19,8 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
 * collective graphs (``replay_collectives``): the graph strategies replay the units' unshard and
   reduce bodies as small CUDA graphs on their side streams;
 * per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
-  ``grads.pin_sharded()``, ``grads.expose_sharded()``.
+  ``grads.pin_sharded()``, ``grads.expose_sharded(unused)``, ``grads.use.unused`` (the parameters
+  no rank gave a gradient, as decided at the capture).
 
 Nothing here imports the graph layer: the engine does not know it exists.
 """

@@ -37,6 +37,7 @@ from .mesh import ShardMesh
 from .sharded_grads import ShardedGrads
 from .sharded_param import ShardedParam
 from .stray_gradients import drop_unsharded_grads, refuse_stray_gradients
+from .unused_params import GradientUse
 
 
 class UnitGradients:
@@ -60,12 +61,14 @@ class UnitGradients:
         self._accum_views: list[torch.Tensor] = []
         self._views_of: FlatBuffers | None = None  # the buffers ``_views`` are views of
         self._views: list[torch.Tensor] = []
+        self._given: tuple = ([], {})  # the views ``prepare`` set as ``.grad``, and their versions then
         self._target: GradBuffer | None = None
         self._written = False  # this backward's gradients are autograd's own tensors (see the module docstring)
         self._copy_in_sources: dict[int, tuple] = {}  # id(target) -> (target, its padded views)
         self._staging: tuple | None = None  # (scratch, reduce_in by rank, reduce_in, this rank's row) of this unit
         self.collective_graphs: CollectiveGraphs | None = None  # the reduce replayed as graphs (graph strategies)
-        self._zero: torch.Tensor | None = None  # the gradient of a frozen parameter, or of one that got none
+        self._zeros = _Zeros(layout, compute_dtype, self.device)  # for a frozen parameter, or one that got none
+        self.use = GradientUse()  # which parameters got a gradient (``unused_params.py``)
 
     def refresh_trainable(self) -> None:
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
@@ -93,13 +96,27 @@ class UnitGradients:
                 target.take_for_backward()
             for i in self.trainable:
                 self.params[i].unsharded.grad = views[i]
+            self._given = views, {i: views[i]._version for i in self.trainable}
         self._target = target
+
+    def _got_gradient(self, i: int) -> bool:
+        """Whether this backward gave parameter ``i`` a gradient: ``.grad`` set (autograd's own
+        tensors), or the view ``prepare`` gave it accumulated into (each view has a version counter
+        of its own, ``_counted``; a post-accumulate-grad hook cannot tell: it also runs where a
+        backward function returned None for the parameter, as a graphed module does for one it
+        does not use)."""
+        grad = self.params[i].unsharded.grad
+        if self._written or grad is None:
+            return grad is not None
+        views, versions = self._given
+        return grad is not views[i] or grad._version != versions[i]
 
     def finish(self, buffers: FlatBuffers, scratch: CommScratch, streams: CommStreams, sync: bool) -> None:
         """After the backward: reduce (``sync``) or keep the sum for the next synchronised backward."""
         target, self._target = self._target, None
         if target is None:
             return
+        self.use.note(i for i in self.trainable if self._got_gradient(i))
         if sync:
             self._reduce(target, scratch, streams)
             self.accumulation_pending = False
@@ -124,14 +141,14 @@ class UnitGradients:
 
     def _views_into(self, buffers: FlatBuffers) -> list[torch.Tensor]:
         if buffers is not self._views_of or self._views_of.grads.tensor is None:
-            self._views = self.layout.param_views(buffers.grads.allocated()[: self.layout.unsharded_numel])
+            self._views = _counted(self.layout.param_views(buffers.grads.allocated()[: self.layout.unsharded_numel]))
             self._views_of = buffers
         return self._views
 
     def _accumulation_buffer(self) -> GradBuffer:
         if self._accum is None:
             self._accum = GradBuffer(self.layout.unsharded_numel, self.compute_dtype, self.device)
-            self._accum_views = self.layout.param_views(self._accum.allocated())
+            self._accum_views = _counted(self.layout.param_views(self._accum.allocated()))
         return self._accum
 
     def _sources(self, target: GradBuffer) -> list[torch.Tensor]:
@@ -139,34 +156,6 @@ class UnitGradients:
         if entry is None or entry[0] is not target:
             entry = self._copy_in_sources[id(target)] = (target, self.layout.padded_views(target.tensor))
         return entry[1]
-
-    def _take_written(self) -> list[torch.Tensor]:
-        """Autograd's gradients for the copy-in (zeros for a parameter that got none, or is frozen),
-        taken off the unsharded parameters so the next backward starts again from None."""
-        sources = []
-        for i in self.layout.moved_indices:
-            param = self.params[i].unsharded
-            grad = param.grad
-            if grad is None:
-                grad = self._zeros(self.layout.spans[i].shape)
-            else:
-                param.grad = None
-                if grad.layout != torch.strided:  # (a sparse embedding's gradient)
-                    grad = grad.to_dense()
-            sources.append(grad)
-        return sources
-
-    def _zeros(self, shape: torch.Size) -> torch.Tensor:
-        """A view of one persistent zero tensor (the unit's largest parameter): made once, only read.
-        Inside a graph capture a fresh one (the pool's, zeroed at each replay): a tensor made there
-        holds zeros only once the graph has run, so it cannot serve eager steps."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.zeros(shape, dtype=self.compute_dtype, device=self.device)
-        if self._zero is None:
-            with torch.inference_mode(False):
-                numel = max(span.numel for span in self.layout.spans)
-                self._zero = torch.zeros(numel, dtype=self.compute_dtype, device=self.device)
-        return self._zero[: shape.numel()].view(shape)
 
     def _reduce(self, target: GradBuffer, scratch: CommScratch, streams: CommStreams) -> None:
         layout = self.layout
@@ -176,7 +165,7 @@ class UnitGradients:
         current = [m.grad for m in self._masters]  # read before the reduce changes them (post-accumulate hooks)
         # Memory taken now is taken on the compute stream, where its readers (optimizer, clipping) run.
         self.sharded.take(zeros=not all(map(operator.is_, current, repeat(None))), writer_stream=streams.reduce)
-        written = self._take_written() if self._written else None
+        written = _take_written(self.params, self.layout, self._zeros) if self._written else None
         if written is None and not target.side_streams_noted:
             streams.shared_with_side_streams(target.tensor)
             target.side_streams_noted = True
@@ -209,7 +198,9 @@ class UnitGradients:
             else:
                 graphs.run("reduce_scatter", key, lambda: self._reduce_scatter(grads, reduced))
             self.sharded.accumulate(reduced, current, self.trainable, 1.0 / (self.divide_factor or self.world_size))
-            self.sharded.run_post_accumulate_hooks(self._masters)
+            later = self.use.take_candidates(self.trainable, current)  # settled at the end of the backward
+            self.sharded.run_post_accumulate_hooks([m for i, m in zip(self.trainable, self._masters) if i not in later])
+
 
     def _copy_in(self, sources: list[torch.Tensor], by_rank: list[torch.Tensor], target: GradBuffer) -> None:
         """The gradients into the staging in rank order (reduce dtype); the target zeroed for the
@@ -239,15 +230,19 @@ class UnitGradients:
         for param in self.params:
             param.master.grad = None
         self.accumulation_pending = False
+        self.use.used.clear()
 
     def pin_sharded(self) -> None:
         """One sharded gradient buffer for good: a whole-step graph writes into it at every replay."""
         self.sharded.pin()
 
-    def expose_sharded(self) -> None:
+    def expose_sharded(self, unused: frozenset[int] = frozenset()) -> None:
         """Point every trainable master's ``.grad`` at its piece of the pinned sharded gradient
-        buffer, where a whole-step graph writes each step's gradient."""
+        buffer, where a whole-step graph writes each step's gradient; not those of ``unused`` (no
+        rank gave them a gradient in the captured step: None, as after an eager step)."""
         for i in self.trainable:
+            if i in unused:
+                continue
             master, view = self.params[i].master, self.sharded.views[i]
             if master.grad is not view:
                 master.grad = view
@@ -276,12 +271,58 @@ class UnitGradients:
 
     def snapshot(self) -> tuple:
         """What unit steps run at graph capture may change: the masters' ``.grad``, the sharded
-        values, the ``no_sync`` flag (see ``RootContext.outside_training_step``)."""
-        return [p.master.grad for p in self.params], self.sharded.snapshot(), self.accumulation_pending
+        values, the ``no_sync`` flag, the record of use (see ``RootContext.outside_training_step``)."""
+        grads = [p.master.grad for p in self.params]
+        return grads, self.sharded.snapshot(), self.accumulation_pending, self.use.snapshot()
 
     def restore(self, snapshot: tuple) -> None:
-        grads, sharded, pending = snapshot
+        grads, sharded, pending, use = snapshot
+        self.use.restore(use)
         self.sharded.restore(sharded)
         for param, grad in zip(self.params, grads):
             param.master.grad = grad
         self.accumulation_pending = pending
+
+
+def _counted(views: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same memory as ``views``, each with a version counter of its own (a view shares its
+    base's): an accumulation into one parameter's gradient bumps only that one's."""
+    with torch.inference_mode(False):
+        return [torch.empty(0, dtype=v.dtype, device=v.device).set_(v.untyped_storage(), v.storage_offset(),
+                                                                     v.size(), v.stride()) for v in views]
+
+
+def _take_written(params: list[ShardedParam], layout: FlatLayout, zeros: _Zeros) -> list[torch.Tensor]:
+    """Autograd's gradients for the copy-in (zeros for a parameter that got none, or is frozen),
+    taken off the unsharded parameters so the next backward starts again from None."""
+    sources = []
+    for i in layout.moved_indices:
+        param = params[i].unsharded
+        grad = param.grad
+        if grad is None:
+            grad = zeros(layout.spans[i].shape)
+        else:
+            param.grad = None
+            if grad.layout != torch.strided:  # (a sparse embedding's gradient)
+                grad = grad.to_dense()
+        sources.append(grad)
+    return sources
+
+
+class _Zeros:
+    """Views of one persistent zero tensor (the unit's largest parameter): made once, only read.
+    Inside a graph capture a fresh one (the pool's, zeroed at each replay): a tensor made there
+    holds zeros only once the graph has run, so it cannot serve eager steps."""
+
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> None:
+        self.layout, self.dtype, self.device = layout, dtype, device
+        self._zero: torch.Tensor | None = None
+
+    def __call__(self, shape: torch.Size) -> torch.Tensor:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self._zero is None:
+            with torch.inference_mode(False):
+                numel = max(span.numel for span in self.layout.spans)
+                self._zero = torch.zeros(numel, dtype=self.dtype, device=self.device)
+        return self._zero[: shape.numel()].view(shape)

@@ -25,6 +25,7 @@ from .order import ExecutionOrder
 from .stray_gradients import refuse_stray_gradients
 from .training_state import TrainingState
 from .unit import FSDPUnit
+from .unused_params import settle_unused
 
 # How long a rank whose step raised waits at its next forward for the other ranks to report the
 # same failure. Ranks that failed the same step get there within the time their error handling
@@ -103,6 +104,8 @@ class RootContext:
             self._agree_to_go_on(self._failed_step or f"unit {stuck[0].name} was left in {stuck[0].state.value}")
             self.streams.wait_for_all()  # the failed backward's reduces, before what they read is freed
             self._release_read_gradients()
+            for unit in self.units:
+                unit.grads.use.forget()
         for unit in self.units:
             unit.reset_if_stuck()
             unit.param_group.clear_prefetch()
@@ -138,7 +141,8 @@ class RootContext:
 
     def end_backward(self) -> None:
         """Run post-backward for units autograd did not reach (e.g. the root, whose inputs need
-        no gradient), then make the current stream wait for every reduce-scatter."""
+        no gradient), make the current stream wait for every reduce-scatter, and give ``.grad =
+        None`` back to parameters no rank gave a gradient (``unused_params.py``)."""
         self._end_of_backward_queued = False
         for unit in self.units:
             if unit.state is TrainingState.BACKWARD:
@@ -146,6 +150,7 @@ class RootContext:
         self.order.backward_done()
         self.streams.wait_for_all()
         self._release_read_gradients()
+        settle_unused([unit.grads for unit in self.units])
         self._refuse_stray_gradients("found at the end of the backward")
 
     def _refuse_stray_gradients(self, when: str) -> None:

@@ -160,6 +160,7 @@ class GraphedTrainStep:
         self.replays = 0
         self._learning_rates = _learning_rates_on_device(body.optimizer, self.device)
         self._divide_factors: list | None = None  # each unit's, as captured
+        self._unused: list[frozenset[int]] = []  # each unit's parameters that get no gradient, as captured
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         try:
@@ -197,6 +198,7 @@ class GraphedTrainStep:
         self.graph, self.static_loss = capture_whole(
             "make_train_step", lambda: self.body.run(tuple(self.inputs.tensors)), self.contexts, self.stream
         )
+        self._unused = [unit.grads.use.unused for unit in self.body.units]
 
     def _refuse_post_accumulate_hooks(self) -> None:
         """A post-accumulate-grad hook (optimizer in backward) is Python the graph would run once, at
@@ -213,9 +215,10 @@ class GraphedTrainStep:
 
     def _expose_grads(self) -> None:
         """The graph wrote this step's gradients into the units' sharded gradient buffers: point
-        ``.grad`` back at them if ``zero_grad()`` set it to None."""
-        for unit in self.body.units:
-            unit.grads.expose_sharded()
+        ``.grad`` back at them if ``zero_grad()`` set it to None (not for parameters that got no
+        gradient in the captured step: theirs stays None, see ``docs/unused_parameters.md``)."""
+        for unit, unused in zip(self.body.units, self._unused):
+            unit.grads.expose_sharded(unused)
 
     def _check_divide_factors(self) -> None:
         """The graph holds each unit's gradient scale as a constant: a later

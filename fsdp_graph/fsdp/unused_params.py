@@ -1,0 +1,147 @@
+"""Parameters that got no gradient end a backward with ``.grad = None``, as in PyTorch, DDP and FSDP2.
+
+A unit reduces all of its parameters in one reduce-scatter, each rank sending zeros for those it
+gave no gradient. A parameter that no rank gave one (an unused head, an MoE expert without
+tokens, a skipped layer) would therefore come out with ``.grad = zeros``, and weight decay or
+momentum would move it where the reference leaves it alone. So each unit records which
+parameters got a gradient since its last reduce (``GradientUse``), and at the end of the backward
+the ranks exchange one flag per parameter (``settle_unused``): a parameter no rank used gets
+``.grad = None`` on every rank. Design and cost: ``docs/unused_parameters.md``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_reduce, collective_failed
+
+
+class GradientUse:
+    """One unit's record: which trainable parameters got a gradient since its last reduce, and
+    which ones that reduce left waiting for the ranks' decision."""
+
+    def __init__(self) -> None:
+        self.used: set[int] = set()  # parameter indices that got a gradient since the last reduce
+        self.pending: list[int] | None = None  # a reduce ran: its candidates (None: no reduce to settle)
+        self.unused: frozenset[int] = frozenset()  # the last decision: no rank gave these a gradient
+        self.decided_from: tuple[int, ...] | None = None  # the candidates that decision was made for
+
+    def note(self, indices: Iterable[int]) -> None:
+        self.used.update(indices)
+
+    def take_candidates(self, trainable: Sequence[int], current: Sequence) -> list[int]:
+        """At a reduce: the trainable parameters no backward since the last reduce gave a gradient,
+        whose master had no ``.grad`` before it (``current``). Starts the next period."""
+        used, self.used = self.used, set()
+        self.pending = [i for i, grad in zip(trainable, current) if grad is None and i not in used]
+        return self.pending
+
+    def forget(self) -> None:
+        """After a step that failed on every rank: nothing recorded or pending carries over."""
+        self.used, self.pending = set(), None
+
+    def snapshot(self) -> tuple:
+        return set(self.used), self.pending, self.unused, self.decided_from
+
+    def restore(self, snapshot: tuple) -> None:
+        used, self.pending, self.unused, self.decided_from = snapshot
+        self.used = set(used)
+
+
+def settle_unused(units: Sequence) -> None:
+    """At the end of a backward: decide, for every unit (``UnitGradients``) whose reduce ran, which
+    of its candidates no rank gave a gradient, and apply it (``_settle``). One int32
+    all-reduce per data-parallel group; only a rank with candidates reads the sums back. Inside a
+    CUDA graph capture (a whole-step graph) the last eager decision is reused."""
+    pending = [u for u in units if u.use.pending is not None]
+    if not pending:
+        return
+    capturing = pending[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    by_group: dict[tuple, list] = {}
+    for unit in pending:
+        by_group.setdefault((_several(unit.group), _several(unit.replicate_group)), []).append(unit)
+    for (group, replicate), members in by_group.items():
+        if group is None and replicate is None:  # one process: what it did not use, nobody did
+            for unit in members:
+                _settle(unit, set(unit.use.pending))
+        elif capturing:
+            for unit in members:
+                _reuse_decision(unit)
+        else:
+            _exchange(members, group, replicate)
+
+
+def _several(group):
+    """The group, or None where it has one rank (nothing to exchange: a single-GPU torchrun job)."""
+    return None if group is None or dist.get_world_size(group) == 1 else group
+
+
+def _settle(unit, unused: set[int]) -> None:
+    """The ranks' decision on the last reduce's candidates: ``unused`` got a gradient on no rank, so
+    their ``.grad`` is None again; the others keep the reduced gradient, and their post-accumulate-
+    grad hooks (deferred by the reduce) run now."""
+    pending = unit.use.pending
+    for i in unused:
+        unit.params[i].master.grad = None
+    unit.sharded.run_post_accumulate_hooks([unit.params[i].master for i in pending if i not in unused])
+    unit.use.pending, unit.use.unused, unit.use.decided_from = None, frozenset(unused), tuple(pending)
+
+
+def _exchange(units: list, group, replicate) -> None:
+    candidates = [set(u.use.pending) for u in units]
+    flags = [0 if i in cand else 1 for u, cand in zip(units, candidates) for i in u.trainable]
+    device = units[0].device
+    used = torch.tensor(flags, dtype=torch.int32, device=device) if any(candidates) else (
+        torch.ones(len(flags), dtype=torch.int32, device=device))
+    try:
+        all_reduce(used, group)
+        all_reduce(used, replicate)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as err:
+        raise collective_failed("exchange of which parameters got a gradient", units[0].name, err) from err
+    if not any(candidates):
+        for unit in units:
+            _settle(unit, set())
+        return
+    counts = _read(used)
+    offset = 0
+    for unit, cand in zip(units, candidates):
+        _settle(unit, {i for pos, i in enumerate(unit.trainable, offset) if i in cand and counts[pos] == 0})
+        offset += len(unit.trainable)
+
+
+def _read(flags: torch.Tensor) -> list[int]:
+    """The sums on the host. An engine sync that a whole-step capture does not contain (it reuses
+    the last decision), so the warm-up's host-sync check (``set_sync_debug_mode``) is off for it."""
+    if not flags.is_cuda:
+        return flags.tolist()
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return flags.tolist()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+def _reuse_decision(unit) -> None:
+    pending = tuple(unit.use.pending)
+    if pending and pending != unit.use.decided_from:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise RuntimeError(
+            f"rank {rank}: FSDP unit {unit.name}: in the captured step, parameters {_names(unit, pending)} got no "
+            f"gradient, unlike in the last eager step (no gradient then: {_names(unit, unit.use.decided_from or ())}). "
+            "A whole-step CUDA graph replays one step: which parameters get a gradient must not change from step "
+            "to step. Use GraphConfig(strategy='layer') or 'none' for a model whose parameter use varies."
+        )
+    _settle(unit, set(unit.use.unused) & set(pending))
+
+
+def _names(unit, indices) -> str:
+    return "[" + ", ".join(unit.params[i].name for i in indices) + "]"
