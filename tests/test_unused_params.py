@@ -256,3 +256,26 @@ def _switched(info) -> None:
 
 def test_unused_parameters_match_fsdp2():
     run_ranks(_switched, 2, backend="gloo")
+
+
+def _captured_steps(info) -> None:
+    """A whole-step capture cannot read the ranks' flags back: it reuses the last eager decision
+    (emulated here: the settlement is told it runs inside a capture), and refuses a step whose
+    parameter use differs from it."""
+    import fsdp_graph.fsdp.unused_params as unused_params
+
+    model, ref = _build("autograd_tensors")
+    use = (True, False)  # expert1 used on rank 0 only: a gradient everywhere; pooler and unused_head: none
+    model(_batch(0, info.rank), use[info.rank]).pow(2).mean().backward()  # eager: decides by the exchange
+    eager = [n for n, p in model.named_parameters() if p.grad is None]
+    model.zero_grad()
+    unused_params._capturing = lambda device: True
+    model(_batch(1, info.rank), use[info.rank]).pow(2).mean().backward()  # "captured": no collective
+    assert [n for n, p in model.named_parameters() if p.grad is None] == eager
+    model.zero_grad()
+    with pytest.raises(RuntimeError, match="must not change from step to step"):
+        model(_batch(2, info.rank), not use[info.rank]).pow(2).mean().backward()
+
+
+def test_a_captured_step_reuses_the_eager_decision_and_refuses_changed_use():
+    run_ranks(_captured_steps, 2, backend="gloo")

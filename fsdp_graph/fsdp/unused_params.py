@@ -60,7 +60,7 @@ def settle_unused(units: Sequence) -> None:
     pending = [u for u in units if u.use.pending is not None]
     if not pending:
         return
-    capturing = pending[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    capturing = _capturing(pending[0].device)
     by_group: dict[tuple, list] = {}
     for unit in pending:
         by_group.setdefault((_several(unit.group), _several(unit.replicate_group)), []).append(unit)
@@ -73,6 +73,10 @@ def settle_unused(units: Sequence) -> None:
                 _reuse_decision(unit)
         else:
             _exchange(members, group, replicate)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _several(group):
@@ -132,7 +136,7 @@ def _read(flags: torch.Tensor) -> list[int]:
 
 def _reuse_decision(unit) -> None:
     pending = tuple(unit.use.pending)
-    if pending and pending != unit.use.decided_from:
+    if pending != (unit.use.decided_from or ()):  # (also where this rank used all now, or none before)
         rank = dist.get_rank() if dist.is_initialized() else 0
         raise RuntimeError(
             f"rank {rank}: FSDP unit {unit.name}: in the captured step, parameters {_names(unit, pending)} got no "
