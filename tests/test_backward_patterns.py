@@ -1,6 +1,7 @@
 """Backward patterns found by an adversarial review, one process against a replicated reference: a
 plain dataclass output, one layer shared by several reentrant checkpoint segments inside one unit,
-and a double backward (create_graph=True), which cannot be right and must be refused."""
+a tied weight used inside and outside a reentrant checkpoint, and a double backward
+(create_graph=True), which cannot be right and must be refused."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 import fsdp_graph
+from fsdp_graph.fsdp.stray_gradients import StrayGradientError
 
 
 def _full(grad):
@@ -81,8 +83,8 @@ class SharedLayer(nn.Module):
 
 
 def test_a_layer_shared_by_reentrant_checkpoint_segments_matches_the_reference():
-    """The unit's inputs need no gradient, so it finishes once every parameter has accumulated: the
-    shared layer accumulates once per segment, which must not count as the embedding's."""
+    """The unit's inputs need no gradient (its post-backward runs at the end of the backward): the
+    shared layer accumulates once per segment."""
     torch.manual_seed(0)
     model = SharedLayer()
     ref = copy.deepcopy(model)
@@ -90,6 +92,44 @@ def test_a_layer_shared_by_reentrant_checkpoint_segments_matches_the_reference()
     idx, targets = torch.randint(0, 13, (4, 5)), torch.randint(0, 13, (4, 5))
     for m in (model, ref):
         F.cross_entropy(m(idx).flatten(0, 1), targets.flatten()).backward()
+    _assert_same_grads(model, ref)
+
+
+class TiedHeadCheckpointed(nn.Module):
+    """The embedding's weight is also the head's, and the head runs inside a checkpoint: with a
+    reentrant one, that use accumulates into the weight in the checkpoint's own backward, before the
+    lookup's accumulation."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.a = nn.Linear(6, 6)
+        self.reentrant = reentrant
+
+    def forward(self, idx):
+        x = cp.checkpoint(lambda t: torch.tanh(self.a(t)), self.emb(idx), use_reentrant=self.reentrant)
+        return cp.checkpoint(lambda t: t @ self.emb.weight.T, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_tied_weight_used_inside_and_outside_a_checkpoint_trains_or_is_refused(reentrant):
+    """The unit's inputs need no gradient, so it finishes once every parameter has accumulated (it
+    must give its slot back before the end of the backward). Non-reentrant: matches the reference.
+    Reentrant: the lookup's accumulation comes after the unit finished; it is refused, naming
+    use_reentrant=False, never lost (a known limit, README)."""
+    torch.manual_seed(0)
+    model = TiedHeadCheckpointed(reentrant)
+    ref = copy.deepcopy(model)
+    fsdp_graph.fully_shard(model)
+    idx, targets = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))
+    ref_loss = F.cross_entropy(ref(idx).flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+    loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+    if reentrant:
+        with pytest.raises(StrayGradientError, match="use_reentrant=False"):
+            loss.backward()
+        return
+    loss.backward()
     _assert_same_grads(model, ref)
 
 
