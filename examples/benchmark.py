@@ -66,7 +66,9 @@ from step_profile import kernel_breakdown  # noqa: E402
 
 SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp",
            "ours_full_iteration", "floor")
-OFFLOAD_SYSTEMS = ("ours_eager_offload",)  # added by --offload (GPU only)
+# Added by --offload (GPU only): every block's activations offloaded, then every 2nd, 3rd, 4th block's.
+OFFLOAD_SYSTEMS = ("ours_eager_offload", "ours_eager_offload_every2", "ours_eager_offload_every3",
+                   "ours_eager_offload_every4")
 GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp", "ours_full_iteration",
                  "floor")
 WHOLE_GRAPH_SYSTEMS = ("fsdp2_full_graph", "floor")
@@ -229,13 +231,25 @@ def ours_eager(bench, env, batches, warmup):
     return train_step(model, make_optimizer(model, capturable=True)), None
 
 
-def ours_eager_offload(bench, env, batches, warmup):
-    """ours_eager with every block's saved activations in pinned host memory between its forward
-    and backward (``fsdp_graph.offload_activations``)."""
-    model = ours_sharded(bench, env)
-    step = train_step(model, make_optimizer(model, capturable=True))
-    step.offload = fsdp_graph.offload_activations(blocks_of(model))  # (lives as long as the step)
-    return step, None
+def _offloading(every: int):
+    """ours_eager with the saved activations of every ``every``-th block (from the first) in pinned
+    host memory between its forward and backward (``fsdp_graph.offload_activations``). Spread out,
+    each block's copy back has ``every`` blocks' backward to hide behind (prefetch is one
+    offloaded module ahead)."""
+
+    def build(bench, env, batches, warmup):
+        model = ours_sharded(bench, env)
+        step = train_step(model, make_optimizer(model, capturable=True))
+        step.offload = fsdp_graph.offload_activations(blocks_of(model)[::every])  # (lives as long as the step)
+        return step, None
+
+    return build
+
+
+ours_eager_offload = _offloading(1)
+ours_eager_offload_every2 = _offloading(2)
+ours_eager_offload_every3 = _offloading(3)
+ours_eager_offload_every4 = _offloading(4)
 
 
 def ours_layer_graphs(bench, env, batches, warmup, collective_graphs=True):
@@ -606,7 +620,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS + OFFLOAD_SYSTEMS)
     p.add_argument("--offload", action="store_true",
-                   help="also run ours_eager_offload: every block's activations offloaded to pinned host memory")
+                   help="also run ours_eager_offload[_everyN]: the activations of every (every N-th) block "
+                        "offloaded to pinned host memory")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="timed steps per system")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 warm-up and 3 timed steps (CPU/gloo in CI)")
