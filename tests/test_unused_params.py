@@ -106,6 +106,17 @@ def _check_grads(model: nn.Module, ref: nn.Module, where: str) -> list[str]:
     return with_grad
 
 
+def _adamw(model: nn.Module, ref: nn.Module) -> tuple:
+    """AdamW with weight decay: a zero gradient would still move a parameter (None leaves it)."""
+    return tuple(torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in (model, ref))
+
+
+def _step(optimizers: tuple) -> None:
+    for o in optimizers:
+        o.step()
+        o.zero_grad()
+
+
 def _check_weights(model: nn.Module, ref: nn.Module) -> None:
     ref_params = dict(ref.named_parameters())
     for name, param in model.named_parameters():
@@ -117,8 +128,7 @@ def _train(info, path: str, hooks: bool) -> None:
     """Each rank its own batch and routing; the reference runs every rank's batch and routing."""
     model, ref = _build(path)
     world = info.world_size
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    optimizers = _adamw(model, ref)
     called: list[str] = []
     ref_called: list[str] = []
     if hooks:  # optimizer-in-backward style hooks: each runs once, with the gradient, where there is one
@@ -138,9 +148,7 @@ def _train(info, path: str, hooks: bool) -> None:
             assert sorted(called) == sorted(ref_called), f"step {step}: hooks ran for {called}, not {ref_called}"
             called.clear()
             ref_called.clear()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        _step(optimizers)
     _check_weights(model, ref)
 
 
@@ -158,8 +166,7 @@ def _train_no_sync(info, path: str) -> None:
     of any rank has a gradient."""
     model, ref = _build(path)
     world = info.world_size
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    optimizers = _adamw(model, ref)
     for step, per_rank in enumerate(MICRO_SCHEDULE):
         for micro in range(2):
             model.set_requires_gradient_sync(micro == 1)
@@ -168,9 +175,7 @@ def _train_no_sync(info, path: str) -> None:
             2 * world).backward()
         with_grad = _check_grads(model, ref, f"rank {info.rank} step {step}")
         assert ("block.expert1.weight" in with_grad) == any(any(m) for m in per_rank)
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        _step(optimizers)
     _check_weights(model, ref)
 
 
@@ -201,15 +206,12 @@ def test_hsdp_decides_over_every_data_parallel_rank():
 
 def test_one_process_without_a_group_leaves_unused_parameters_without_gradient():
     model, ref = _build("autograd_tensors")
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    optimizers = _adamw(model, ref)
     for step, use in enumerate((True, False, True)):
         for m in (model, ref):
             m(_batch(step, 0), use).pow(2).mean().backward()
         _check_grads(model, ref, f"step {step}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        _step(optimizers)
     _check_weights(model, ref)
 
 
