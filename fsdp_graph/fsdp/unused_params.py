@@ -12,7 +12,8 @@ the ranks exchange one flag per parameter (``settle_unused``): a parameter no ra
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -97,41 +98,42 @@ def _settle(unit, unused: set[int]) -> None:
 
 def _exchange(units: list, group, replicate) -> None:
     candidates = [set(u.use.pending) for u in units]
-    flags = [0 if i in cand else 1 for u, cand in zip(units, candidates) for i in u.trainable]
     device = units[0].device
-    used = torch.tensor(flags, dtype=torch.int32, device=device) if any(candidates) else (
-        torch.ones(len(flags), dtype=torch.int32, device=device))
-    try:
-        all_reduce(used, group)
-        all_reduce(used, replicate)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as err:
-        raise collective_failed("exchange of which parameters got a gradient", units[0].name, err) from err
-    if not any(candidates):
-        for unit in units:
-            _settle(unit, set())
-        return
-    counts = _read(used)
+    with _engine_sync(device):  # (a rank with candidates copies its flags in and reads the sums back)
+        if any(candidates):
+            flags = [0 if i in cand else 1 for u, cand in zip(units, candidates) for i in u.trainable]
+            used = torch.tensor(flags, dtype=torch.int32, device=device)
+        else:
+            used = torch.ones(sum(len(u.trainable) for u in units), dtype=torch.int32, device=device)
+        try:
+            all_reduce(used, group)
+            all_reduce(used, replicate)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:
+            raise collective_failed("exchange of which parameters got a gradient", units[0].name, err) from err
+        counts = used.tolist() if any(candidates) else None
     offset = 0
     for unit, cand in zip(units, candidates):
         _settle(unit, {i for pos, i in enumerate(unit.trainable, offset) if i in cand and counts[pos] == 0})
         offset += len(unit.trainable)
 
 
-def _read(flags: torch.Tensor) -> list[int]:
-    """The sums on the host. An engine sync that a whole-step capture does not contain (it reuses
-    the last decision), so the warm-up's host-sync check (``set_sync_debug_mode``) is off for it."""
-    if not flags.is_cuda:
-        return flags.tolist()
+@contextmanager
+def _engine_sync(device: torch.device) -> Iterator[None]:
+    """Host syncs of the engine that a whole-step capture does not contain (it reuses the last
+    decision): the warm-up's host-sync check (``set_sync_debug_mode``) is off for them."""
+    if device.type != "cuda":
+        yield
+        return
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
         torch.cuda.set_sync_debug_mode(0)
-        try:
-            return flags.tolist()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 def _reuse_decision(unit) -> None:
