@@ -184,6 +184,28 @@ def test_under_no_sync_a_parameter_used_in_any_micro_batch_has_a_gradient(path):
     run_ranks(_train_no_sync, 2, path, backend="gloo")
 
 
+def _retried_after_a_failed_step(info) -> None:
+    """A no_sync micro-batch, then a forward that raises on every rank (caught) and is retried: the
+    first micro-batch's sum survives the recovery, and so does the record that expert1 got a
+    gradient in it (it is used on rank 0 only, and not in the retried micro-batch)."""
+    model, ref = _build("autograd_tensors")
+    use = (True, False)
+    model.set_requires_gradient_sync(False)
+    model(_batch(0, info.rank, 0), use[info.rank]).pow(2).mean().div(2).backward()
+    model.set_requires_gradient_sync(True)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(3, 5), False)  # a wrong shape: the first layer raises, on every rank
+    model(_batch(0, info.rank, 1), False).pow(2).mean().div(2).backward()
+    world = info.world_size
+    sum(ref(_batch(0, r, 0), use[r]).pow(2).mean() for r in range(world)).div(2 * world).backward()
+    sum(ref(_batch(0, r, 1), False).pow(2).mean() for r in range(world)).div(2 * world).backward()
+    assert "block.expert1.weight" in _check_grads(model, ref, f"rank {info.rank}")
+
+
+def test_a_no_sync_micro_batch_keeps_its_use_record_through_a_failed_step():
+    run_ranks(_retried_after_a_failed_step, 2, backend="gloo")
+
+
 def _hsdp(info) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -275,7 +297,7 @@ def _captured_steps(info) -> None:
     model(_batch(1, info.rank), use[info.rank]).pow(2).mean().backward()  # "captured": no collective
     assert [n for n, p in model.named_parameters() if p.grad is None] == eager
     model.zero_grad()
-    with pytest.raises(RuntimeError, match="must not change from step to step"):
+    with pytest.raises(unused_params.ParameterUseChanged, match="must not change from step to step"):
         model(_batch(2, info.rank), not use[info.rank]).pow(2).mean().backward()
 
 

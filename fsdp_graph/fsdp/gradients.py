@@ -201,7 +201,6 @@ class UnitGradients:
             later = self.use.take_candidates(self.trainable, current)  # settled at the end of the backward
             self.sharded.run_post_accumulate_hooks([m for i, m in zip(self.trainable, self._masters) if i not in later])
 
-
     def _copy_in(self, sources: list[torch.Tensor], by_rank: list[torch.Tensor], target: GradBuffer) -> None:
         """The gradients into the staging in rank order (reduce dtype); the target zeroed for the
         next backward, off its path."""

@@ -105,7 +105,7 @@ class RootContext:
             self.streams.wait_for_all()  # the failed backward's reduces, before what they read is freed
             self._release_read_gradients()
             for unit in self.units:
-                unit.grads.use.forget()
+                unit.grads.use.forget_pending()
         for unit in self.units:
             unit.reset_if_stuck()
             unit.param_group.clear_prefetch()

@@ -41,9 +41,10 @@ class GradientUse:
         self.pending = [i for i, grad in zip(trainable, current) if grad is None and i not in used]
         return self.pending
 
-    def forget(self) -> None:
-        """After a step that failed on every rank: nothing recorded or pending carries over."""
-        self.used, self.pending = set(), None
+    def forget_pending(self) -> None:
+        """After a step that failed on every rank: no reduce of it waits for a decision. What earlier
+        ``no_sync`` backwards used stays, as their sum does (``UnitGradients.clear`` drops both)."""
+        self.pending = None
 
     def snapshot(self) -> tuple:
         return set(self.used), self.pending, self.unused, self.decided_from
@@ -136,18 +137,24 @@ def _engine_sync(device: torch.device) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
+class ParameterUseChanged(RuntimeError):
+    """Which parameters get a gradient changed between the last eager step and a whole-step capture."""
+
+
 def _reuse_decision(unit) -> None:
     pending = tuple(unit.use.pending)
-    if pending != (unit.use.decided_from or ()):  # (also where this rank used all now, or none before)
+    before = unit.use.decided_from or ()
+    if pending != before:  # (also where this rank now gives every parameter a gradient, or gave all one before)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        raise RuntimeError(
-            f"rank {rank}: FSDP unit {unit.name}: in the captured step, parameters {_names(unit, pending)} got no "
-            f"gradient, unlike in the last eager step (no gradient then: {_names(unit, unit.use.decided_from or ())}). "
-            "A whole-step CUDA graph replays one step: which parameters get a gradient must not change from step "
-            "to step. Use GraphConfig(strategy='layer') or 'none' for a model whose parameter use varies."
+        raise ParameterUseChanged(
+            f"rank {rank}: FSDP unit {unit.name}: the parameters that get no gradient changed between the last "
+            f"eager step ({_names(unit, before)}) and the step recorded into the whole-step graph "
+            f"({_names(unit, pending)}). A whole-step CUDA graph replays one step: which parameters get a gradient "
+            "must not change from step to step. Use GraphConfig(strategy='layer') or 'none' for a model whose "
+            "parameter use varies."
         )
     _settle(unit, set(unit.use.unused) & set(pending))
 
 
 def _names(unit, indices) -> str:
-    return "[" + ", ".join(unit.params[i].name for i in indices) + "]"
+    return ", ".join(unit.params[i].name for i in indices) or "none"
