@@ -36,18 +36,26 @@ def _steady_state_allocations(info, mp_policy, set_to_none) -> None:
     unit_of_part = {id(part): u for u in units for part in (u.param_group, u.grads)}
     counts: dict = {}
     transient: dict = {}
-    started: list = []  # per open hook: [memory at its start, the most its collectives staged on their own]
+    # Per open hook: [memory at its start, the most its collectives staged on their own, what hooks
+    # nested in it kept, the level its peak is measured from] (the end of the backward runs the
+    # post-backward of units fed token ids: that hook's memory is counted once, as its own).
+    started: list = []
 
     def before(step, unit):
         torch.cuda.reset_peak_memory_stats()
-        started.append([torch.cuda.memory_allocated(), 0])
+        level = torch.cuda.memory_allocated()
+        started.append([level, 0, 0, level])
 
     def after(step, unit):
-        start, own_staging = started.pop()
-        kept = torch.cuda.memory_allocated() - start
-        counts[step] = counts.get(step, 0) + kept
-        excess = torch.cuda.max_memory_allocated() - start - max(kept, 0) - own_staging
+        start, own_staging, nested, base = started.pop()
+        end = torch.cuda.memory_allocated()
+        counts[step] = counts.get(step, 0) + end - start - nested
+        excess = torch.cuda.max_memory_allocated() - max(base, end) - own_staging
         transient[step] = max(transient.get(step, 0), excess)
+        if started:  # the enclosing hook goes on: its peak is measured afresh from here
+            started[-1][2] += end - start
+            started[-1][3] = end
+            torch.cuda.reset_peak_memory_stats()
 
     def collective(what, part):
         """A unit larger than the shared staging (the wide block, the root) stages on its own, taking

@@ -155,9 +155,9 @@ def test_submodule_shared_by_two_units_is_refused():
 
 
 def test_forward_without_backward_leaves_no_stale_post_backward_trigger():
-    """A forward whose unit inputs need no gradient (frozen embedding) arms post-backward from the
-    parameters' gradients; without a backward, the next step (embedding trainable again) must not
-    run post-backward twice."""
+    """A forward whose unit inputs need no gradient (frozen embedding) leaves the unit's post-backward
+    to the end of the backward; without a backward, the next step (embedding trainable again) must
+    not run post-backward twice."""
     model, ref = build(CPU)
     shard(model)
     opt, ref_opt = sgd_pair(model, ref)

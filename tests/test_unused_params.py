@@ -206,6 +206,60 @@ def test_a_no_sync_micro_batch_keeps_its_use_record_through_a_failed_step():
     run_ranks(_retried_after_a_failed_step, 2, backend="gloo")
 
 
+class Side(nn.Module):
+    """Two tables; the second one looked up only where asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Embedding(11, 6)
+        self.b = nn.Embedding(11, 6)
+
+    def forward(self, idx, use_b: bool):
+        return self.a(idx) + self.b(idx) if use_b else self.a(idx)
+
+
+class TwoTokenUnits(nn.Module):
+    """The root and a second unit both fed token ids (no input needs a gradient); same flat size,
+    so reduce-scatters paired across the two units would not even fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.side = Side()
+        self.head = nn.Linear(6, 11, bias=False)
+
+    def forward(self, idx, use_b: bool):
+        return self.head(torch.tanh(self.emb(idx)) + 0.5 * self.side(idx, use_b))
+
+
+def _two_token_units(info) -> None:
+    """side.b used on rank 0 only: rank 0 finished the side unit as soon as its last parameter
+    accumulated, mid-backward, rank 1 only at the end, after the root, so the ranks paired the
+    root's reduce-scatter with the side unit's (silently mixed gradients). Both now finish at the
+    end of the backward, in the same order on every rank."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = TwoTokenUnits()
+    ref = copy.deepcopy(model)
+    fsdp_graph.fully_shard(model.side)
+    fsdp_graph.fully_shard(model)
+    use = (True, False)
+
+    def loss(m, r):
+        g = torch.Generator().manual_seed(r)
+        idx, targets = torch.randint(0, 11, (2, 4), generator=g), torch.randint(0, 11, (2, 4), generator=g)
+        return F.cross_entropy(m(idx, use[r]).flatten(0, 1), targets.flatten())
+
+    loss(model, info.rank).backward()
+    sum(loss(ref, r) for r in range(info.world_size)).div(info.world_size).backward()
+    assert "side.b.weight" in _check_grads(model, ref, f"rank {info.rank}")
+
+
+def test_units_fed_token_ids_reduce_in_the_same_order_on_every_rank():
+    run_ranks(_two_token_units, 2, backend="gloo")
+
+
 def _hsdp(info) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 

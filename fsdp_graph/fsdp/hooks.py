@@ -134,9 +134,7 @@ def install_post_backward(module: nn.Module, args: tuple, kwargs: dict):
     flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
-        # Nothing to hang the trigger on (e.g. token ids): finish once the parameters' gradients
-        # are accumulated, or at the root's end-of-backward step for parameters that get none.
-        unit_of(module).post_backward_from_param_grads()
+        unit_of(module).post_backward_at_end()  # nothing to hang the trigger on (token ids, say)
         return None
     wrapped = _PostBackwardTrigger.apply(module, *(flat[i] for i in positions))
     for i, tensor in zip(positions, wrapped):

@@ -89,6 +89,7 @@ class ParamGroup:
         self._unshard_event = None
         self._gathered_at = (-1, -1)  # (master writes noted, master_flat's version) when last gathered
         self.collective_graphs: CollectiveGraphs | None = None  # the unshard replayed as a graph (graph strategies)
+        self.yield_slot = lambda: False  # the unit's: finish a backward to give the slot up (FSDPUnit._finish_for_slot)
 
     # -- placement ------------------------------------------------------------------------
     def bind(self, placement: Placement, pool: SlotPool | None, scratch: CommScratch, streams: CommStreams) -> None:
@@ -158,6 +159,8 @@ class ParamGroup:
             if owner.state is ShardState.UNSHARDED:
                 if prefetch:
                     return False
+                if owner.yield_slot():  # (its backward waited for the end of the backward: finished now)
+                    return self._acquire(prefetch)
                 raise RuntimeError(
                     f"FSDP units {owner.name} and {self.name} share a double-buffer slot but both need "
                     "their parameters unsharded at once (units run in a different order than in the "

@@ -31,9 +31,7 @@ def stray_gradient_error(unit_name: str, what: str, when: str) -> StrayGradientE
         "That backward would read parameters another unit may have overwritten since, and no reduce-scatter "
         "would read its gradients. Return the tensor from the module's forward (as an extra output) and "
         "compute the loss term from the returned value, or detach the kept tensor if the term should not "
-        "train the unit. (A unit run more than once, or a double backward, can show the same way; so can a "
-        "parameter of a unit whose inputs need no gradient used both inside and outside a reentrant checkpoint: "
-        "checkpoint with use_reentrant=False.)"
+        "train the unit. (A unit run more than once, or a double backward, can show the same way.)"
     )
 
 

@@ -16,7 +16,6 @@ boundaries); a step called on the unit before its root's lazy init says so.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -116,10 +115,8 @@ class FSDPUnit:
         self.parent: FSDPUnit | None = None
         self._streams: CommStreams | None = None
         self._order: ExecutionOrder | None = None
-        self._grad_hooked: set[int] = set()
-        self._grad_hooks_current = False  # every trainable unsharded parameter has its accumulation hook
-        self._post_backward_from_params = False  # inputs need no grad: finish when all grads accumulated
-        self._grads_accumulated: set[int] = set()
+        self._awaits_end_of_backward = False  # inputs need no grad: post-backward at the root's end of backward
+        self.param_group.yield_slot = self._finish_for_slot
 
     def rename(self, name: str) -> None:
         self.name = self.param_group.name = self.grads.name = name
@@ -173,7 +170,7 @@ class FSDPUnit:
         check_transition(self.name, "pre_forward", self.state, (TrainingState.IDLE,))
         if self._order is None:
             self._refuse_unbound("pre_forward")
-        self._post_backward_from_params = False  # set again by this forward's hooks if it applies
+        self._awaits_end_of_backward = False  # set again by this forward's hooks if it applies
         self._order.record_forward(self)
         group = self.param_group
         state = group.state
@@ -182,7 +179,6 @@ class FSDPUnit:
             group.unshard()  # (UNSHARDED here: the user called module.unshard() before this forward)
         if group.sync_requires_grad():
             self.grads.refresh_trainable()
-            self._grad_hooks_current = False
         group.use()
         self.state = TrainingState.FORWARD
         self._prefetch_next(self.forward_prefetch, self._order.after_in_forward, for_backward=False)
@@ -211,7 +207,6 @@ class FSDPUnit:
         group.use()
         self.state = TrainingState.BACKWARD
         self.grads.prepare(group.buffers, group.scratch, self.requires_gradient_sync)
-        self._grads_accumulated = set()
         self._prefetch_next(self.backward_prefetch, self._order.after_in_backward, for_backward=True)
         return True
 
@@ -227,7 +222,7 @@ class FSDPUnit:
         check_transition(self.name, "post_backward", self.state, (TrainingState.BACKWARD,))
         group = self.param_group
         self.grads.finish(group.buffers, group.scratch, self._streams, self.requires_gradient_sync)
-        self._post_backward_from_params = False
+        self._awaits_end_of_backward = False
         keep = self.keeps_gathered_after_backward()
         self.param_group.reshard(free=not keep)
         if not keep:
@@ -257,28 +252,22 @@ class FSDPUnit:
         return self.param_group.state is ShardState.GATHERED and self.param_group.holds_current_masters()
 
     # -- post-backward for units whose inputs need no gradient -----------------------------
-    def post_backward_from_param_grads(self) -> None:
-        """Called at forward time when no input requires grad: finish once every trainable
-        parameter's gradient has been accumulated (nothing else to hang post-backward on). Only
-        such units (typically the root, whose inputs are token ids) carry the per-parameter hooks."""
-        self._post_backward_from_params = True
-        if not self._grad_hooks_current:
-            self._hook_grad_accumulation()
+    def post_backward_at_end(self) -> None:
+        """Called at forward time when no input requires grad (token ids, say): nothing to hang the
+        post-backward trigger on, so the root's end-of-backward step runs it, as FSDP2's does, in
+        the same order on every rank. (Not when every parameter has accumulated: which ones get
+        a gradient may differ between ranks, and a parameter used inside a reentrant checkpoint
+        accumulates more than once: the ranks' reduce-scatters would pair with other units'.)"""
+        self._awaits_end_of_backward = True
 
-    def _hook_grad_accumulation(self) -> None:
-        """Hook every trainable unsharded parameter (again after requires_grad changes)."""
-        for i in self.grads.trainable:
-            if i not in self._grad_hooked:
-                self.params[i].unsharded.register_post_accumulate_grad_hook(_weakly(self._on_grad_accumulated))
-                self._grad_hooked.add(i)
-        self._grad_hooks_current = True
-
-    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
-        if not self._post_backward_from_params or self.state is not TrainingState.BACKWARD:
-            return
-        self._grads_accumulated.add(id(param))  # (a parameter used several times accumulates several times)
-        if len(self._grads_accumulated) == len(self.grads.trainable):
-            self.post_backward()
+    def _finish_for_slot(self) -> bool:
+        """Another unit's unshard needs the slot this unit holds while its post-backward waits for
+        the end of the backward: finish it now (the backward has moved on to that unit, at the
+        same point on every rank). False if it is not waiting so."""
+        if self.state is not TrainingState.BACKWARD or not self._awaits_end_of_backward:
+            return False
+        self.post_backward()
+        return True
 
     # -- iteration boundaries and capture, by the root ------------------------------------
     def reset_if_stuck(self) -> None:
@@ -287,7 +276,7 @@ class FSDPUnit:
         if self.state is not TrainingState.IDLE:
             self.param_group.drop()
             self.grads.abandon()
-            self._post_backward_from_params = False
+            self._awaits_end_of_backward = False
             self.state = TrainingState.IDLE
 
     def forget_events(self) -> None:
@@ -318,16 +307,3 @@ class FSDPUnit:
         numel = self.param_group.layout.numel
         return f"FSDPUnit({self.name}, params={len(self.params)}, numel={numel}, state={self.state.value})"
 
-
-def _weakly(method):
-    """``method`` as a tensor hook that does not keep its object alive. A hook registered on a tensor
-    is held from C++, where the garbage collector cannot see it: a bound method there would keep the
-    unit, and through it the whole model, alive after the user dropped them."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(*args):
-        bound = ref()
-        if bound is not None:
-            bound(*args)
-
-    return hook
