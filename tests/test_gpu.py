@@ -37,8 +37,8 @@ def _steady_state_allocations(info, mp_policy, set_to_none) -> None:
     counts: dict = {}
     transient: dict = {}
     # Per open hook: [memory at its start, the most its collectives staged on their own, what hooks
-    # nested in it kept, the level its peak is measured from] (the end of the backward runs the
-    # post-backward of units fed token ids: that hook's memory is counted once, as its own).
+    # nested in it kept, the level its peak is measured from] (the end of the backward, or another
+    # unit's pre-backward, runs the post-backward of units fed token ids: counted once, as its own).
     started: list = []
 
     def before(step, unit):

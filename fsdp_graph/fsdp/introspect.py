@@ -116,6 +116,7 @@ STEPS = (
 def watch_steps(before: Watcher | None = None, after: Watcher | None = None):
     """Around every unit step: ``before(step, unit)`` / ``after(step, unit)``, with ``step`` one of
     ``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``, ``end_backward`` (the
-    root's end-of-backward callback, which may run ``post_backward`` of units inside it)."""
+    root's end-of-backward callback, which may run ``post_backward`` of units inside it; so may a
+    ``pre_backward`` that needs the slot of a unit whose post-backward waits for the end)."""
     return watch_methods(list(STEPS), before, after)
 

@@ -12,7 +12,8 @@ is one explicit state:
 GATHERED and PREFETCHED mean the buffer holds this unit's current parameters (the all-gather
 may still be in flight: ``use`` makes the compute stream wait for it); UNSHARDED means the
 modules compute with them. A slot is shared by two units: a unit takes it with ``_acquire``,
-which evicts the other one (refused while the other one is UNSHARDED).
+which evicts the other one (refused while the other one is UNSHARDED, unless the other one's
+post-backward waits for the end of the backward and this unshard is for a backward: it runs first).
 
 Unshard casts the master shard into this rank's part of the shared gather buffer, all-gathers in
 place, and copies the result out into the unit's persistent buffer (one kernel:
@@ -147,8 +148,12 @@ class ParamGroup:
                 storage.resize_(tensor.numel() * tensor.element_size())
                 self.buffers.grads.zeroed = False  # new memory: whatever was there
 
-    def _acquire(self, prefetch: bool) -> bool:
-        """Own a buffer for the unsharded parameters; False when a prefetch finds it busy."""
+    def _acquire(self, prefetch: bool, for_backward: bool = False) -> bool:
+        """Own a buffer for the unsharded parameters; False when a prefetch finds it busy.
+        ``for_backward``: the backward reached this unit, so a unit holding the slot while its
+        post-backward waits for the end of the backward may finish now (``yield_slot``); not for a
+        forward, which in a backward is an activation-checkpoint recompute, before the holder's
+        backward has run."""
         if self.placement is Placement.DYNAMIC:
             self._regrow_dynamic()
             return True
@@ -159,7 +164,7 @@ class ParamGroup:
             if owner.state is ShardState.UNSHARDED:
                 if prefetch:
                     return False
-                if owner.yield_slot():  # (its backward waited for the end of the backward: finished now)
+                if for_backward and owner.yield_slot():  # (its post-backward waited: it ran now)
                     return self._acquire(prefetch)
                 raise RuntimeError(
                     f"FSDP units {owner.name} and {self.name} share a double-buffer slot but both need "
@@ -173,8 +178,8 @@ class ParamGroup:
         return True
 
     # -- unshard / reshard ----------------------------------------------------------------
-    def _issue_unshard(self, prefetch: bool) -> bool:
-        if not self._acquire(prefetch):
+    def _issue_unshard(self, prefetch: bool, for_backward: bool = False) -> bool:
+        if not self._acquire(prefetch, for_backward):
             return False
         streams, layout = self._streams, self.layout
         self._gathered_at = (_master_writes[0], self.master_flat._version)
@@ -212,9 +217,10 @@ class ParamGroup:
         own = gathered.narrow(0, layout.rank * layout.shard_numel, layout.shard_numel)
         return gathered, own, layout.by_rank(gather)
 
-    def unshard(self) -> None:
-        """Gather now (for use in this step); the data lands asynchronously on GPU."""
-        self._issue_unshard(prefetch=False)
+    def unshard(self, for_backward: bool = False) -> None:
+        """Gather now (for use in this step); the data lands asynchronously on GPU. ``for_backward``:
+        see ``_acquire``."""
+        self._issue_unshard(prefetch=False, for_backward=for_backward)
         self.state = ShardState.GATHERED
 
     def prefetch(self, strict: bool = False) -> None:

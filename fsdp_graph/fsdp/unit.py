@@ -170,7 +170,8 @@ class FSDPUnit:
         check_transition(self.name, "pre_forward", self.state, (TrainingState.IDLE,))
         if self._order is None:
             self._refuse_unbound("pre_forward")
-        self._awaits_end_of_backward = False  # set again by this forward's hooks if it applies
+        if torch.is_grad_enabled():  # (a no-grad forward before a pending backward leaves it as it is)
+            self._awaits_end_of_backward = False  # set again by this forward's hooks if it applies
         self._order.record_forward(self)
         group = self.param_group
         state = group.state
@@ -203,7 +204,7 @@ class FSDPUnit:
         self._order.record_backward(self)
         group = self.param_group
         if group.state not in HOLDS_DATA:
-            group.unshard()
+            group.unshard(for_backward=True)
         group.use()
         self.state = TrainingState.BACKWARD
         self.grads.prepare(group.buffers, group.scratch, self.requires_gradient_sync)
@@ -255,15 +256,16 @@ class FSDPUnit:
     def post_backward_at_end(self) -> None:
         """Called at forward time when no input requires grad (token ids, say): nothing to hang the
         post-backward trigger on, so the root's end-of-backward step runs it, as FSDP2's does, in
-        the same order on every rank. (Not when every parameter has accumulated: which ones get
-        a gradient may differ between ranks, and a parameter used inside a reentrant checkpoint
-        accumulates more than once: the ranks' reduce-scatters would pair with other units'.)"""
+        the same order on every rank (where a unit's inputs need a gradient on every rank or on
+        none, as FSDP2 needs too). Not when every parameter has accumulated: which ones get a
+        gradient may differ between ranks, and a parameter used inside a reentrant checkpoint
+        accumulates more than once; the ranks' reduce-scatters would pair with other units'."""
         self._awaits_end_of_backward = True
 
     def _finish_for_slot(self) -> bool:
-        """Another unit's unshard needs the slot this unit holds while its post-backward waits for
-        the end of the backward: finish it now (the backward has moved on to that unit, at the
-        same point on every rank). False if it is not waiting so."""
+        """Another unit's unshard for its backward needs the slot this unit holds while its
+        post-backward waits for the end of the backward: finish it now (the backward has moved on
+        to that unit). False if it is not waiting so."""
         if self.state is not TrainingState.BACKWARD or not self._awaits_end_of_backward:
             return False
         self.post_backward()
