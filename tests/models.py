@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_graph
+from fsdp_graph.fsdp.capture_interface import units_in
 
 
 class Block(nn.Module):
@@ -59,6 +60,35 @@ class EagerCollectiveBodies:
 
     def forget(self) -> None:
         pass
+
+
+def shard_beside_reference(model: nn.Module, inner=(), **kwargs) -> nn.Module:
+    """The replicated reference (a deep copy, taken first), then ``fully_shard`` on each module of
+    ``inner`` and on ``model`` itself, with ``kwargs``."""
+    ref = copy.deepcopy(model)
+    for module in inner:
+        fsdp_graph.fully_shard(module, **kwargs)
+    fsdp_graph.fully_shard(model, **kwargs)
+    return ref
+
+
+def assert_same_grads(model: nn.Module, ref: nn.Module) -> None:
+    """Every parameter's (full) gradient equals the reference's, to float rounding."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(grad, q.grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def on_fixed_buffers(model: nn.Module, monkeypatch=None) -> None:
+    """Every unit's reduce run as its collective graphs would run it (``EagerCollectiveBodies``):
+    gradients at fixed addresses, on CPU. A CPU build of torch cannot answer whether a stream is
+    capturing: it is told no, through ``monkeypatch`` where given (else in this rank's own process)."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    elif not torch.cuda.is_available():
+        torch.cuda.is_current_stream_capturing = lambda: False
+    for unit in units_in(model):
+        unit.replay_collectives(EagerCollectiveBodies())
 
 
 def lm_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,6 @@ a tied weight used inside and outside a reentrant checkpoint, and a double backw
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import pytest
@@ -16,14 +15,7 @@ import torch.utils.checkpoint as cp
 
 import fsdp_graph
 
-
-def _full(grad):
-    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-
-
-def _assert_same_grads(model: nn.Module, ref: nn.Module) -> None:
-    for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(_full(p.grad), rp.grad, msg=lambda m: f"{name}: {m}")
+from models import assert_same_grads, shard_beside_reference
 
 
 @dataclass
@@ -55,14 +47,19 @@ class DataclassNet(nn.Module):
 def test_a_unit_returning_a_plain_dataclass_matches_the_reference():
     torch.manual_seed(0)
     model = DataclassNet()
-    ref = copy.deepcopy(model)
-    for block in model.blocks:
-        fsdp_graph.fully_shard(block)
-    fsdp_graph.fully_shard(model)
+    ref = shard_beside_reference(model, model.blocks)
     x, y = torch.randn(8, 6), torch.randn(8, 1)
     for m in (model, ref):
         F.mse_loss(m(x), y).backward()
-    _assert_same_grads(model, ref)
+    assert_same_grads(model, ref)
+
+
+def _one_unit_on_token_ids_matches_the_reference(model: nn.Module, vocab: int) -> None:
+    ref = shard_beside_reference(model)
+    idx, targets = torch.randint(0, vocab, (4, 5)), torch.randint(0, vocab, (4, 5))
+    for m in (model, ref):
+        F.cross_entropy(m(idx).flatten(0, 1), targets.flatten()).backward()
+    assert_same_grads(model, ref)
 
 
 class SharedLayer(nn.Module):
@@ -85,13 +82,7 @@ def test_a_layer_shared_by_reentrant_checkpoint_segments_matches_the_reference()
     """The unit's inputs need no gradient (its post-backward runs at the end of the backward): the
     shared layer accumulates once per segment."""
     torch.manual_seed(0)
-    model = SharedLayer()
-    ref = copy.deepcopy(model)
-    fsdp_graph.fully_shard(model)
-    idx, targets = torch.randint(0, 13, (4, 5)), torch.randint(0, 13, (4, 5))
-    for m in (model, ref):
-        F.cross_entropy(m(idx).flatten(0, 1), targets.flatten()).backward()
-    _assert_same_grads(model, ref)
+    _one_unit_on_token_ids_matches_the_reference(SharedLayer(), vocab=13)
 
 
 class TiedHeadCheckpointed(nn.Module):
@@ -116,13 +107,7 @@ def test_a_tied_weight_used_inside_and_outside_a_checkpoint_matches_the_referenc
     reentrant checkpoint's second accumulation into the tied weight came after it (refused as a
     stray gradient). It now finishes at the end of the backward, as FSDP2's units do."""
     torch.manual_seed(0)
-    model = TiedHeadCheckpointed(reentrant)
-    ref = copy.deepcopy(model)
-    fsdp_graph.fully_shard(model)
-    idx, targets = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))
-    for m in (model, ref):
-        F.cross_entropy(m(idx).flatten(0, 1), targets.flatten()).backward()
-    _assert_same_grads(model, ref)
+    _one_unit_on_token_ids_matches_the_reference(TiedHeadCheckpointed(reentrant), vocab=11)
 
 
 class Residual(nn.Module):

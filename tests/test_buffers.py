@@ -13,7 +13,7 @@ from fsdp_graph.fsdp.introspect import unit_buffers, unsharded_grad_addresses, u
 from fsdp_graph.fsdp.registry import units_in
 
 from dist_harness import run_ranks
-from models import EagerCollectiveBodies, build, local_loss, shard
+from models import build, local_loss, on_fixed_buffers, shard
 
 
 def _addresses_per_iteration(model, info, iterations: int = 3) -> list[dict]:
@@ -59,10 +59,7 @@ def _stable_addresses(info, big_block, persist: bool, fixed_grads: bool) -> None
     model, _ = build(info.device, big_block=big_block)
     shard(model, persist_buffer_on_alloc_fail=persist)
     if fixed_grads:
-        if not torch.cuda.is_available():  # (a CPU-only build of torch cannot answer; this rank's own process)
-            torch.cuda.is_current_stream_capturing = lambda: False
-        for unit in units_in(model):
-            unit.replay_collectives(EagerCollectiveBodies())
+        on_fixed_buffers(model)
     seen = _addresses_per_iteration(model, info)
     units = {u.name: u for u in units_in(model)}
     placements = {name: u.placement for name, u in units.items()}

@@ -13,7 +13,7 @@ import torch.nn as nn
 import fsdp_graph
 from fsdp_graph.fsdp.capture_interface import units_in
 
-from models import EagerCollectiveBodies
+from models import EagerCollectiveBodies, on_fixed_buffers
 
 
 def _full(grad):
@@ -40,9 +40,7 @@ def test_no_sync_switched_on_inside_a_units_backward_keeps_that_gradient(fixed, 
     fsdp_graph.fully_shard(model.b)
     fsdp_graph.fully_shard(model)
     if fixed:
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-        for unit in units_in(model):
-            unit.replay_collectives(EagerCollectiveBodies())
+        on_fixed_buffers(model, monkeypatch)
     xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(s)) for s in range(2)]
 
     def flip(grad):

@@ -14,14 +14,16 @@ from fsdp_graph.fsdp.registry import units_in
 
 from dist_harness import run_ranks
 from models import (
-    EagerCollectiveBodies,
     assert_full_state_matches,
+    assert_same_grads,
     build,
     global_batch,
     lm_loss,
     local_part,
+    on_fixed_buffers,
     sgd_pair,
     shard,
+    shard_beside_reference,
     train_beside_reference,
 )
 
@@ -67,9 +69,7 @@ def test_a_backward_that_fails_midway_through_a_unit_leaves_no_stale_gradient(fi
     model, ref = build(CPU)
     shard(model)
     if fixed:
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-        for unit in units_in(model):
-            unit.replay_collectives(EagerCollectiveBodies())
+        on_fixed_buffers(model, monkeypatch)
     optimizers = sgd_pair(model, ref)
     idx, targets = global_batch(0, 1, CPU)
 
@@ -162,32 +162,19 @@ class DetachedLayers(nn.Module):
         return total
 
 
-def _sharded_pair(model: nn.Module, children) -> nn.Module:
-    ref = copy.deepcopy(model)
-    for child in children(model):
-        fsdp_graph.fully_shard(child)
-    fsdp_graph.fully_shard(model)
-    return ref
-
-
-def _same_grads(model: nn.Module, ref: nn.Module) -> None:
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
-
-
 def test_a_no_grad_forward_before_the_backward_keeps_units_waiting_for_the_end_of_it():
     """A forward under no_grad between the training forward and its backward (a target computed
     without gradient) must not forget that the first forward's units finish at the end."""
     torch.manual_seed(0)
     model = DetachedLayers()
-    ref = _sharded_pair(model, lambda m: m.layers)
+    ref = shard_beside_reference(model, model.layers)
     x = torch.randn(3, 6)
     loss = model(x)
     with torch.no_grad():
         model(2 * x)
     loss.backward()
     ref(x).backward()
-    _same_grads(model, ref)
+    assert_same_grads(model, ref)
 
 
 class CheckpointRegion(nn.Module):
@@ -214,19 +201,16 @@ def test_a_recompute_never_finishes_a_unit_whose_backward_has_not_run():
     conflict is refused, naming the fix, which trains like the reference."""
     torch.manual_seed(0)
     model = CheckpointRegion()
-    _sharded_pair(model, lambda m: (m.a, m.v, m.x, m.u))
+    shard_beside_reference(model, (model.a, model.v, model.x, model.u))
     with pytest.raises(RuntimeError, match="share a double-buffer slot.*double_buffer=False"):
         model(torch.randn(3, 6), torch.randn(3, 6)).backward()
     torch.manual_seed(0)
     model = CheckpointRegion()
-    ref = copy.deepcopy(model)
-    for child in (model.a, model.v, model.x, model.u):
-        fsdp_graph.fully_shard(child, double_buffer=False)
-    fsdp_graph.fully_shard(model, double_buffer=False)
+    ref = shard_beside_reference(model, (model.a, model.v, model.x, model.u), double_buffer=False)
     inputs = torch.randn(3, 6), torch.randn(3, 6)
     model(*inputs).backward()
     ref(*inputs).backward()
-    _same_grads(model, ref)
+    assert_same_grads(model, ref)
 
 
 def test_submodule_shared_by_two_units_is_refused():

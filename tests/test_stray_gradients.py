@@ -13,10 +13,9 @@ import torch
 import torch.nn as nn
 
 import fsdp_graph
-from fsdp_graph.fsdp.capture_interface import units_in
 from fsdp_graph.fsdp.stray_gradients import StrayGradientError
 
-from models import EagerCollectiveBodies
+from models import on_fixed_buffers
 
 
 class KeepsAux(nn.Module):
@@ -57,9 +56,7 @@ def _sharded(returned: str, input_grad: bool, fixed: bool, monkeypatch) -> tuple
     fsdp_graph.fully_shard(model.block)
     fsdp_graph.fully_shard(model)
     if fixed:
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-        for unit in units_in(model):
-            unit.replay_collectives(EagerCollectiveBodies())
+        on_fixed_buffers(model, monkeypatch)
     return model, ref
 
 

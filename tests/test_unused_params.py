@@ -14,10 +14,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_graph
-from fsdp_graph.fsdp.capture_interface import units_in
 
 from dist_harness import run_ranks
-from models import EagerCollectiveBodies
+from models import on_fixed_buffers
 
 # expert1's use per step and rank (two ranks): both, rank 0 only, none, rank 1 only.
 pytestmark = pytest.mark.cpu_only  # CPU and gloo on any machine: CI runs it; the GPU suite need not
@@ -84,9 +83,7 @@ def _build(path: str) -> tuple[Model, Model]:
     fsdp_graph.fully_shard(model.block)
     fsdp_graph.fully_shard(model)
     if path == "fixed_buffer":  # the reduce as collective graphs would run it: gradients at fixed addresses
-        torch.cuda.is_current_stream_capturing = lambda: False
-        for unit in units_in(model):
-            unit.replay_collectives(EagerCollectiveBodies())
+        on_fixed_buffers(model)
     return model, ref
 
 

@@ -199,7 +199,8 @@ class UnitGradients:
                 graphs.run("reduce_scatter", key, lambda: self._reduce_scatter(grads, reduced))
             self.sharded.accumulate(reduced, current, self.trainable, 1.0 / (self.divide_factor or self.world_size))
             later = self.use.take_candidates(self.trainable, current)  # settled at the end of the backward
-            self.sharded.run_post_accumulate_hooks([m for i, m in zip(self.trainable, self._masters) if i not in later])
+            self.sharded.run_post_accumulate_hooks(
+                [m for i, m in zip(self.trainable, self._masters) if i not in later] if later else self._masters)
 
     def _copy_in(self, sources: list[torch.Tensor], by_rank: list[torch.Tensor], target: GradBuffer) -> None:
         """The gradients into the staging in rank order (reduce dtype); the target zeroed for the
