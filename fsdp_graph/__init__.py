@@ -19,6 +19,8 @@ The public API (README.md has the full picture; docs/architecture.md the design)
   ``make_graphed_callables``: the low-level capture with capture-time hooks.
 - ``offload_activations``: chosen modules' saved activations in pinned host memory between
   forward and backward (eager modules).
+- ``replay_on`` / ``JoinEvent``: replay graphs on a stream the caller gives, so work on the
+  caller's stream overlaps them (``replay_stream=`` when graphing sets the default).
 
 - ``fsdp_graph.hf``: HF transformers models (``shard_model``, ``take_capture_path``; docs/hf.md).
 
@@ -40,6 +42,7 @@ from .graphs.activation_offload import offload_activations
 from .graphs.capture import make_graphed_callables
 from .graphs.host_sync import HostSyncError
 from .graphs.module_graphs import graph_modules, select_modules
+from .graphs.replay_stream import JoinEvent, replay_on
 from .steps.graph_config import GraphConfig
 from .steps.make_step import make_eval_step, make_train_step
 
@@ -51,6 +54,7 @@ __all__ = [
     "FSDPModule",
     "GraphConfig",
     "HostSyncError",
+    "JoinEvent",
     "MixedPrecision",
     "MixedPrecisionPolicy",
     "TransitionError",
@@ -68,6 +72,7 @@ __all__ = [
     "post_backward_handler",
     "pre_backward_handler",
     "register_fsdp_forward_method",
+    "replay_on",
     "select_modules",
     "shutdown",
 ]

@@ -76,6 +76,39 @@ class _OnStream:
         torch.cuda.set_stream(self.previous)
 
 
+# A forward graph replayed on a caller's stream that joined the caller's stream early (at a join
+# event inside the graph, ``graphs/replay_stream.py``) may still read its unit's unsharded
+# parameters after the join: its replay stream -> an event at the end of that replay. Every side
+# stream entered waits on them, so the next all-gather into the slot follows those reads. Empty
+# unless join events are used.
+_replay_tails: dict = {}
+
+
+def note_replay_tail(stream, event) -> None:
+    """A replay on ``stream`` ended at ``event`` after its caller's stream joined it early."""
+    _replay_tails[stream] = event
+
+
+def wait_for_replay_tails(stream, retire: bool) -> None:
+    """``stream`` waits for the rest of every replay that joined early. A graph replayed next may
+    reuse, from the same memory pool, the temporaries that rest still uses: the capture assumed
+    one replay after the other. ``retire``: ``stream`` is the caller's (None: the current stream),
+    which now covers them."""
+    if _replay_tails:
+        stream = torch.cuda.current_stream() if stream is None else stream
+        for tail in tuple(_replay_tails.values()):
+            stream.wait_event(tail)
+        if retire:
+            _replay_tails.clear()
+
+
+def retire_replay_tail(stream) -> None:
+    """The caller's stream waited on all of ``stream``: side streams that wait on the caller's
+    stream are ordered after that replay already."""
+    if _replay_tails:
+        _replay_tails.pop(stream, None)
+
+
 class CommStreams:
     """Side streams for all-gathers and reduce-scatters (None on CPU, where all is synchronous)."""
 
@@ -94,6 +127,7 @@ class CommStreams:
             return nullcontext()
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
+        wait_for_replay_tails(stream, retire=False)
         self._pending.add(stream)
         if torch.cuda.current_device() != self.device.index:
             return torch.cuda.stream(stream)  # it switches the device as well
@@ -124,6 +158,7 @@ class CommStreams:
         """Wait on the host for all work on the device: every stream is joined afterwards."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
+            _replay_tails.clear()
         self._pending.clear()
 
     def wait_for_all(self) -> None:
@@ -137,3 +172,4 @@ class CommStreams:
                 if stream in self._pending:
                     current.wait_stream(stream)
             self._pending.clear()
+            wait_for_replay_tails(current, retire=True)  # (the end of a forward or backward)

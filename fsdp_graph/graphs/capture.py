@@ -42,6 +42,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from ..fsdp.capture_interface import pin_addresses
 from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .host_sync import no_host_sync
+from .replay_stream import recording_joins, refuse_unrecorded, replay_target
 
 HOOK_KEYS = ("pre_forward", "forward", "pre_backward", "backward")
 TE_HOOK_KEYS = {"forward_pre_hooks": "pre_forward", "forward_hooks": "forward",
@@ -179,6 +180,7 @@ class ForwardPass:
     params: list[nn.Parameter]  # what the forward read: stand-ins sharing the parameters' memory
     param_places: list
     real_params: list[nn.Parameter]  # the module's parameters, which autograd sees at replay
+    joins: dict  # the JoinEvents the forward recorded (captured: each with its CUDA event)
 
 
 def _capturing(graph, pool, stream):
@@ -203,13 +205,13 @@ def forward_pass(call: CaptureTarget, graph=None, pool=None, stream=None) -> For
     for holder, attr, _, p in places:
         holder[attr] = stand_ins[id(p)]
     try:
-        with _capturing(graph, pool, stream):
+        with recording_joins() as joins, _capturing(graph, pool, stream):
             outputs = call.fn(*args, **kwargs)
     finally:
         for holder, attr, _, p in places:
             holder[attr] = p
     call.run_forward(args, outputs)
-    return ForwardPass(spec, leaves, args, kwargs, outputs, [stand_ins[id(p)] for p in params], places, params)
+    return ForwardPass(spec, leaves, args, kwargs, outputs, [stand_ins[id(p)] for p in params], places, params, joins)
 
 
 def _tensors(fwd: ForwardPass) -> tuple[list, list]:
@@ -272,6 +274,7 @@ def captured_call(call: CaptureTarget, fwd: ForwardPass, backward, grad_enabled:
         autocast=autocast_state(),
         training=call.module.training if call.module is not None else None,
         grad_enabled=grad_enabled,
+        join_events=fwd.joins,
     )
 
 
@@ -374,6 +377,8 @@ def make_graphed_callables(
     pre_warmup_hook: Callable[[], None] | None = None,
     post_warmup_hook: Callable[[], None] | None = None,
     pool=None,
+    replay_stream: torch.cuda.Stream | None = None,
+    join_event=None,
 ) -> list[GraphedCallable] | GraphedCallable:
     """Capture each callable's forward and backward as CUDA graphs; return one replaying callable each.
 
@@ -384,7 +389,8 @@ def make_graphed_callables(
     replay must match. All graphs share ``pool`` (a fresh one if None) and must be replayed in
     capture order: forwards in list order, backwards in reverse. See the module docstring for
     ``capture_time_hooks``; ``pre_warmup_hook`` and ``post_warmup_hook`` run once around the
-    warm-up.
+    warm-up. ``replay_stream`` / ``join_event`` (one ``JoinEvent``, or one per callable): where the
+    graphs replay by default (``replay_stream.py``; ``replay_on`` overrides it per call).
     """
     single = not isinstance(modules, (list, tuple))
     if single:
@@ -397,17 +403,20 @@ def make_graphed_callables(
         modules, names, sample_args, sample_kwargs, num_warmup_iters, capture_time_hooks,
         pre_warmup_hook, post_warmup_hook, pool,
         eager=[fn.forward if isinstance(fn, nn.Module) else None for fn in modules],
+        replay_stream=replay_stream, join_event=join_event,
     )
     return graphed[0] if single else graphed
 
 
 def capture_callables(
     modules: list, names: list[str], sample_args, sample_kwargs, num_warmup_iters: int, capture_time_hooks,
-    pre_warmup_hook, post_warmup_hook, pool, eager: list, forward_only: bool = False,
+    pre_warmup_hook, post_warmup_hook, pool, eager: list, forward_only: bool = False, *,
+    replay_stream=None, join_event=None,
 ) -> list[GraphedCallable]:
     """``make_graphed_callables`` with names for error messages and each module's eager forward.
     ``forward_only``: capture forward graphs only, under ``torch.no_grad()`` (evaluation)."""
     sample_args, sample_kwargs = _check_arguments(modules, sample_args, sample_kwargs, num_warmup_iters)
+    targets = default_targets(replay_stream, join_event, names)
     hooks = normalize_capture_time_hooks(capture_time_hooks, len(modules))
     calls = [
         CaptureTarget(fn, name, a, k, h)
@@ -447,7 +456,20 @@ def capture_callables(
         if call.module is not None:  # its graphs hold its parameters' addresses from now on
             pin_addresses(call.module, "make_graphed_callables")
     group = CaptureGroup()
-    return [
+    graphed = [
         GraphedCallable(captured_call(call, fwd, bwd, not forward_only), eager=e, module=call.module, group=group)
         for call, fwd, bwd, e in zip(calls, passes, backwards, eager)
     ]
+    for runner, target in zip(graphed, targets):
+        refuse_unrecorded(target, runner.captured.join_events, runner.name)
+        runner.replay_default = target
+    return graphed
+
+
+def default_targets(replay_stream, join_event, names: list[str]) -> list:
+    """One checked ``ReplayTarget`` (or None) per callable, from ``replay_stream`` and ``join_event``
+    (one ``JoinEvent`` for all callables, or a sequence with one per callable)."""
+    events = join_event if isinstance(join_event, (list, tuple)) else [join_event] * len(names)
+    if len(events) != len(names):
+        raise ValueError(f"join_event has {len(events)} entries for {len(names)} modules; pass one per module, or one")
+    return [replay_target(replay_stream, e, f"graphing {name}") for name, e in zip(names, events)]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .frozen_arguments import changed_since_capture, same
+from .replay_stream import ReplayTarget, chosen_target, refuse_unrecorded, replay_here
 
 
 @dataclass
@@ -56,6 +57,7 @@ class CapturedCall:
     training: bool | None  # the module's mode at capture (None for plain callables)
     autocast: tuple = (False, None)  # (enabled, dtype) at capture: kernels were chosen under it
     grad_enabled: bool = True  # False: a forward-only (evaluation) graph, captured under no_grad
+    join_events: dict = field(default_factory=dict)  # JoinEvent -> the CUDA event its forward graph records
 
 
 class CaptureGroup:
@@ -112,6 +114,7 @@ class GraphedCallable:
         self._has_backward = c.bwd_graph is not None
         self._pending: weakref.ref | None = None  # the autograd node of a forward awaiting its backward
         self._output_versions: list[int] = []
+        self.replay_default: ReplayTarget | None = None  # replay_stream= / join_event= given when graphing
 
     # -- the call ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -129,8 +132,10 @@ class GraphedCallable:
         inputs = self._live_inputs(args, kwargs)
         self._check_params()
         self._check_no_pending_backward()
+        target = chosen_target(self.replay_default)
+        refuse_unrecorded(target, self.captured.join_events, self.name)
         track = self._has_backward and torch.is_grad_enabled()
-        outputs = _Replay.apply(self, track, *inputs, *self.params)
+        outputs = _Replay.apply(self, track, target, *inputs, *self.params)
         if self._single_output:
             return outputs[0]
         leaves = list(self.captured.output_leaves)
@@ -228,13 +233,16 @@ def describe_signature(args: tuple, kwargs: dict) -> str:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, runner: GraphedCallable, track: bool, *inputs: torch.Tensor):
-        ctx.runner = runner
+    def forward(ctx, runner: GraphedCallable, track: bool, target: ReplayTarget | None, *inputs: torch.Tensor):
+        ctx.runner, ctx.target = runner, target
         ctx.set_materialize_grads(False)
-        for live, static in zip(inputs, runner.static_inputs):
+        for live, static in zip(inputs, runner.static_inputs):  # (on the caller's stream, which owns them)
             if live.data_ptr() != static.data_ptr():
                 static.copy_(live)
-        runner.captured.fwd_graph.replay()
+        if target is None:
+            replay_here(runner.captured.fwd_graph)
+        else:
+            target.replay(runner.captured.fwd_graph, runner.captured.join_events)
         runner.replays += 1
         if track:
             runner._pending = weakref.ref(ctx)
@@ -256,5 +264,8 @@ class _Replay(torch.autograd.Function):
                 static.zero_()
             elif grad.data_ptr() != static.data_ptr():
                 static.copy_(grad)
-        runner.captured.bwd_graph.replay()
-        return (None, None, *runner.captured.static_grad_inputs)
+        if ctx.target is None:
+            replay_here(runner.captured.bwd_graph)
+        else:
+            ctx.target.replay(runner.captured.bwd_graph)  # joins at the end: autograd reads the gradients now
+        return (None, None, None, *runner.captured.static_grad_inputs)

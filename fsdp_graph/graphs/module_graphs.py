@@ -46,7 +46,7 @@ from ..fsdp.capture_interface import (
     units_in,
 )
 from .activation_offload import refuse_offloaded
-from .capture import argument_names, capture_callables, require_cuda, static_copy
+from .capture import argument_names, capture_callables, default_targets, require_cuda, static_copy
 from .frozen_arguments import new_object_each_call, same
 from .graphed_callable import GraphedCallable
 from .reroute import ModuleHooks, hooks_taken_off, seal_submodule_hooks
@@ -238,6 +238,8 @@ def graph_modules(
     pool=None,
     forward_only: bool = False,
     collective_graphs: bool | None = None,
+    replay_stream: torch.cuda.Stream | None = None,
+    join_event=None,
 ) -> list[GraphedCallable]:
     """Capture each module's forward and backward as CUDA graphs and install them in place.
 
@@ -257,12 +259,18 @@ def graph_modules(
     at their second run; False runs them eagerly (NCCL's watchdog then times them out). The setting
     is per unit: None (the default) keeps what an earlier call chose for a unit and is True for a
     unit no call has chosen for; True or False set it again.
+
+    ``replay_stream`` / ``join_event``: replay the graphs on that stream by default, the caller's
+    stream joining at the end of each replay or, for a forward, at ``join_event`` (a ``JoinEvent``
+    the module's forward records, or one per module); ``replay_on`` overrides it per call
+    (``replay_stream.py``).
     """
     if collective_graphs is not None and not isinstance(collective_graphs, bool):
         raise TypeError(f"graph_modules: collective_graphs must be True, False or None, got {collective_graphs!r}")
     modules = list(modules)
     names = [_describe(m, i) for i, m in enumerate(modules)]
     _check_selection(modules, names, forward_only)
+    default_targets(replay_stream, join_event, names)  # (checked before any capture; set by the capture)
     if not forward_only:
         refuse_offloaded(modules, names)
     units = [_unit_to_unshard(m, name) for m, name in zip(modules, names)]
@@ -281,7 +289,7 @@ def graph_modules(
             ]
             graphed = capture_callables(
                 modules, names, sample_args, sample_kwargs, num_warmup_iters, capture_time_hooks,
-                None, None, pool, eager, forward_only,
+                None, None, pool, eager, forward_only, replay_stream=replay_stream, join_event=join_event,
             )
     replay_collectives(list({id(u): u for u in units if u is not None}.values()), collective_graphs)
     for module, name, runner in zip(modules, names, graphed):

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map
 from ..fsdp.capture_interface import TrainingState, root_contexts, units_in
 from ..graphs.host_sync import no_host_sync
 from ..graphs.module_graphs import eval_mode
+from ..graphs.replay_stream import replay_target, replay_whole
 from ..graphs.static_inputs import StaticInputs
 from ..graphs.whole_graph import capture_whole, on_stream
 
@@ -41,8 +42,10 @@ class GraphedForward:
     """The whole model's evaluation forward as one CUDA graph (see the module docstring; built by
     ``make_eval_step``, which validates the model first)."""
 
-    def __init__(self, model: nn.Module, example_args: tuple, *, num_warmup_iters: int = 3) -> None:
+    def __init__(self, model: nn.Module, example_args: tuple, *, num_warmup_iters: int = 3,
+                 replay_stream: torch.cuda.Stream | None = None) -> None:
         self.model = model
+        self.replay_default = replay_target(replay_stream, None, "make_eval_step")
         self.units = units_in(model)
         self.inputs = StaticInputs("make_eval_step", tuple(example_args), self.units[0].device)
         contexts = root_contexts(model)
@@ -68,7 +71,7 @@ class GraphedForward:
                 "units' parameter buffers, so call it between training steps, not inside forward/backward."
             )
         self.inputs.copy_in(args)
-        self.graph.replay()
+        replay_whole(self.graph, self.replay_default, "make_eval_step")
         self.replays += 1
         # Copies: the next replay overwrites the static outputs.
         return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, self.static_outputs)

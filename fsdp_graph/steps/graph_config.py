@@ -49,6 +49,7 @@ class GraphConfig:
     num_warmup_iters: int = 3  # eager passes before capture (>= 2 also proves the code free of host syncs)
     collective_graphs: bool | None = None  # "layer": the units' unshard/reduce replayed as graphs too (None:
     # as an earlier step chose for them, else True)
+    replay_stream: torch.cuda.Stream | None = None  # every graph the step makes replays there (replay_on overrides)
 
 
 def _choice(value, choices: tuple, field: str) -> str:
@@ -68,6 +69,10 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
     config = replace(config, strategy=strategy, forward_only=forward_only)
     if config.collective_graphs is not None and not isinstance(config.collective_graphs, bool):
         raise TypeError(f"GraphConfig.collective_graphs must be True, False or None, got {config.collective_graphs!r}")
+    if config.replay_stream is not None and not isinstance(config.replay_stream, torch.cuda.Stream):
+        raise TypeError(
+            f"GraphConfig.replay_stream must be a torch.cuda.Stream or None, not {type(config.replay_stream).__name__}"
+        )
     if not isinstance(config.num_warmup_iters, int) or config.num_warmup_iters < 1:
         raise ValueError(f"GraphConfig.num_warmup_iters must be an int >= 1, got {config.num_warmup_iters!r}")
     if config.modules is not None and strategy == "full_iteration":

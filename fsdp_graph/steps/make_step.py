@@ -53,12 +53,14 @@ def make_train_step(
     example = _require_example(example_batch, "make_train_step", config)
     if config.strategy == "full_iteration":
         check_capturable_optimizer(optimizer)
-        return GraphedTrainStep(body, example, num_warmup_iters=config.num_warmup_iters)
+        return GraphedTrainStep(body, example, num_warmup_iters=config.num_warmup_iters,
+                                replay_stream=config.replay_stream)
     modules = selected_modules(model, config)
     micro = body.micro_batches(example)[0]
     samples = _samples(model, modules, lambda: loss_fn(*micro))
     graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
-                  num_warmup_iters=config.num_warmup_iters, collective_graphs=config.collective_graphs)
+                  num_warmup_iters=config.num_warmup_iters, collective_graphs=config.collective_graphs,
+                  replay_stream=config.replay_stream)
     return body
 
 
@@ -70,13 +72,14 @@ def make_eval_step(model: nn.Module, *, config: GraphConfig | None = None, examp
         return EvalStep(model)
     example = _require_example(example_args, "make_eval_step", config)
     if config.forward_only == "model":
-        return GraphedForward(model, example, num_warmup_iters=config.num_warmup_iters)
+        return GraphedForward(model, example, num_warmup_iters=config.num_warmup_iters,
+                              replay_stream=config.replay_stream)
     modules = selected_modules(model, config)
     with eval_mode(model), torch.no_grad():
         samples = _samples(model, modules, lambda: model(*example))
     graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
                   num_warmup_iters=config.num_warmup_iters, forward_only=True,
-                  collective_graphs=config.collective_graphs)
+                  collective_graphs=config.collective_graphs, replay_stream=config.replay_stream)
     return EvalStep(model)
 
 

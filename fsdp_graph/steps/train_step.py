@@ -40,6 +40,7 @@ import torch.nn as nn
 from ..fsdp.capture_interface import root_contexts, units_in
 from ..fsdp.clip_grad import clip_grad_norm_
 from ..graphs.host_sync import no_host_sync
+from ..graphs.replay_stream import replay_target, replay_whole
 from ..graphs.static_inputs import StaticInputs
 from ..graphs.whole_graph import capture_whole, on_stream
 
@@ -146,7 +147,8 @@ class GraphedTrainStep:
     """A ``TrainStep`` captured as one CUDA graph after ``num_warmup_iters`` eager calls (built by
     ``make_train_step``, which validates the model and the optimizer first)."""
 
-    def __init__(self, body: TrainStep, example_batch: tuple, *, num_warmup_iters: int = 3) -> None:
+    def __init__(self, body: TrainStep, example_batch: tuple, *, num_warmup_iters: int = 3,
+                 replay_stream: torch.cuda.Stream | None = None) -> None:
         self.body = body
         body.micro_batches(tuple(example_batch))  # the stacked-micro-batch layout, checked up front
         self.device = body.units[0].device
@@ -161,6 +163,7 @@ class GraphedTrainStep:
         self._learning_rates = _learning_rates_on_device(body.optimizer, self.device)
         self._divide_factors: list | None = None  # each unit's, as captured
         self._unused: list[frozenset[int]] = []  # each unit's parameters that get no gradient, as captured
+        self.replay_default = replay_target(replay_stream, None, "make_train_step")
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         try:
@@ -174,7 +177,7 @@ class GraphedTrainStep:
             if self.eager_steps < self.num_warmup_iters:
                 return self._eager_step()
             self._capture()
-        self.graph.replay()
+        replay_whole(self.graph, self.replay_default, "make_train_step")
         self.replays += 1
         if self.body.optimizer is None:
             self._expose_grads()

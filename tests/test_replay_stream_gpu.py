@@ -1,0 +1,121 @@
+"""GPU: graphs replayed on a stream the caller gives (``replay_on``, ``GraphConfig.replay_stream``)
+train bitwise as eager, under ``layer`` (with and without a join event) and ``full_iteration``.
+
+Each block's forward records the join event after its output and then runs a *tail*: a long
+sleep, then a read of one of its unsharded weights into a buffer. Under a join event the caller's
+stream goes on at the event, so the next all-gather into that block's slot would overwrite the
+weight before the tail reads it, unless FSDP's side streams wait for the tail (the replay tails of
+``fsdp/collectives.py``). The tails' readings must equal eager's; with that wait switched off they
+do not, which shows the test can see the race it guards against."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fsdp_graph
+from fsdp_graph import GraphConfig
+from fsdp_graph.graphs import replay_stream
+
+from dist_harness import run_ranks
+from examples.gpt import GPT, Block
+from test_graph_parity_gpu import CFG, _batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+STEPS, WARMUP = 8, 3
+TAIL_CYCLES = 20_000_000  # about 10 ms: far longer than the host takes to issue the next unshards
+
+
+class TailedBlock(Block):
+    """A block whose forward goes on after its join point: sleep, then read a weight (its slot)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.join.record()
+        with torch.no_grad():
+            torch.cuda._sleep(TAIL_CYCLES)
+            self.tail_reading.copy_(self.mlp.fc.weight.float().sum())
+        return out
+
+
+def _build(info, join: fsdp_graph.JoinEvent) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for block in model.blocks:
+        block.__class__ = TailedBlock
+        block.join = join
+        block.register_buffer("tail_reading", torch.zeros(()), persistent=False)
+    model.to(info.device)
+    policy = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fsdp_graph.fully_shard(block, mp_policy=policy)
+    return fsdp_graph.fully_shard(model, mp_policy=policy)
+
+
+def _train(info, strategy: str, side: bool, join: bool):
+    join_event = fsdp_graph.JoinEvent()
+    model = _build(info, join_event)
+    stream = torch.cuda.Stream(info.device) if side else None
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
+    step = fsdp_graph.make_train_step(
+        lambda idx, targets: model(idx, targets)[1], model, opt,
+        config=GraphConfig(strategy=strategy, num_warmup_iters=WARMUP), example_batch=_batch(0, info))
+    losses, readings = [], []
+    for i in range(STEPS):
+        with fsdp_graph.replay_on(stream, join_event=join_event if join else None):
+            losses.append(step(*_batch(i, info)))
+        readings.append(torch.stack([block.tail_reading.clone() for block in model.blocks]))
+    return torch.stack(losses), torch.stack(readings), fsdp_graph.full_state_dict(model)
+
+
+def _side_streams_match_eager(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    eager = _train(info, "none", side=False, join=False)
+    for strategy, join in (("layer", False), ("layer", True), ("full_iteration", False)):
+        losses, readings, state = _train(info, strategy, side=True, join=join)
+        what = f"{strategy}, join event {join}"
+        assert torch.equal(losses, eager[0]), f"{what}: {losses.tolist()} vs eager {eager[0].tolist()}"
+        assert torch.equal(readings, eager[1]), f"{what}: the tails read other weights than eager's"
+        for key, value in eager[2].items():
+            assert torch.equal(state[key], value), f"{what}: {key} differs from eager"
+    # The negative control: without the side streams' wait for the tails, the next unshard
+    # overwrites a slot that a tail still reads.
+    replay_stream.note_replay_tail = lambda stream, event: None
+    losses, readings, _ = _train(info, "layer", side=True, join=True)
+    assert torch.equal(losses, eager[0])  # (the tails feed nothing back)
+    assert not torch.equal(readings, eager[1]), "the race this test guards against did not show without the wait"
+
+
+def test_graphs_replayed_on_a_side_stream_train_as_eager():
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_side_streams_match_eager, min(2, torch.cuda.device_count()))
+
+
+def _config_stream_for_every_graph(info) -> None:
+    """``GraphConfig(replay_stream=)``: the layer graphs and the whole step replay there by
+    default, and main-stream work issued meanwhile (a stand-in for another model's step) does not
+    change them."""
+    torch.use_deterministic_algorithms(True)
+    eager = _train(info, "none", side=False, join=False)
+    for strategy in ("layer", "full_iteration"):
+        join_event = fsdp_graph.JoinEvent()
+        model = _build(info, join_event)
+        stream = torch.cuda.Stream(info.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
+        step = fsdp_graph.make_train_step(
+            lambda idx, targets: model(idx, targets)[1], model, opt,
+            config=GraphConfig(strategy=strategy, num_warmup_iters=WARMUP, replay_stream=stream),
+            example_batch=_batch(0, info))
+        other = torch.randn(1024, 1024, device=info.device)
+        losses = []
+        for i in range(STEPS):
+            losses.append(step(*_batch(i, info)))
+            other = torch.tanh(other @ other)  # independent main-stream work
+        assert torch.equal(torch.stack(losses), eager[0]), f"GraphConfig(replay_stream=), {strategy}"
+
+
+def test_a_config_replay_stream_is_the_default_of_every_graph():
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_config_stream_for_every_graph, min(2, torch.cuda.device_count()))
