@@ -280,7 +280,7 @@ def test_graph_modules_puts_hooks_and_fsdp_state_back_when_capture_fails(monkeyp
     block = model.blocks[1]
     before = {attr: (getattr(block, attr), list(getattr(block, attr))) for attr in HOOK_DICTS}
 
-    def failing_capture(modules, names, sample_args, sample_kwargs, warmup, hooks, *rest):
+    def failing_capture(modules, names, sample_args, sample_kwargs, warmup, hooks, *rest, **options):
         (x,) = sample_args[0]
         args, kwargs = (x,), {}
         for fn in hooks[0]["pre_forward"].values():  # unshard, as a capture would, then fail mid-way
