@@ -12,7 +12,7 @@ import torch.nn as nn
 import fsdp_graph
 from fsdp_graph.fsdp import collectives
 from fsdp_graph.fsdp.collectives import CommStreams
-from fsdp_graph.graphs.replay_stream import JoinEvent, ReplayTarget, replay_on, replay_whole
+from fsdp_graph.graphs.replay_stream import JoinEvent, ReplayTarget, replay_on, replay_whole, whole_target
 
 from test_graphed_callable import Scaled, emulated
 
@@ -139,8 +139,8 @@ def test_a_forward_joins_at_its_join_event_and_the_side_streams_wait_for_the_res
         pass
     assert LOG == ["all_gather waits main", f"all_gather waits {tail}"]
     LOG.clear()
-    out.sum().backward()  # the backward joins at its end, which retires the tail
-    assert LOG == ["side waits main", f"side waits {tail}", "backward replay on side", "main waits side"]
+    out.sum().backward()  # the next graph call starts with the caller's stream waiting for the rest
+    assert LOG == [f"main waits {tail}", "side waits main", "backward replay on side", "main waits side"]
     LOG.clear()
     with comm.enter(comm.reduce):
         pass
@@ -173,10 +173,15 @@ def test_a_whole_step_graph_refuses_a_join_event_and_joins_at_its_end(monkeypatc
             LOG.append("step replay")
 
     side = FakeStream("side")
-    replay_whole(Graph(), ReplayTarget(side), "make_train_step")
+    replay_whole(Graph(), whole_target(ReplayTarget(side), "make_train_step", side.device))
     assert LOG == ["side waits main", "step replay", "main waits side"]
     with pytest.raises(ValueError, match="make_train_step: a join_event was given for a whole-step"):
-        replay_whole(Graph(), ReplayTarget(side, JoinEvent()), "make_train_step")
+        with replay_on(side, join_event=JoinEvent()):
+            whole_target(None, "make_train_step", side.device)
+    wrong = r"the replay stream is on cuda:0, but the graph was captured on cuda:1\. "
+    fix = r"Create the stream on the graph's device: torch.cuda.Stream\(device='cuda:1'\)"
+    with pytest.raises(ValueError, match=wrong + fix):
+        whole_target(ReplayTarget(side), "make_eval_step", torch.device("cuda", 1))
 
 
 def test_replay_on_none_overrides_a_default_and_join_event_record_outside_a_capture_does_nothing(monkeypatch):
@@ -190,9 +195,10 @@ def test_replay_on_none_overrides_a_default_and_join_event_record_outside_a_capt
     JoinEvent().record()  # eager code (warm-up, an eager run of the module): no event, no error
 
 
-def test_the_next_replay_waits_for_the_rest_of_one_that_joined_early(monkeypatch):
-    """Graphs share a memory pool whose blocks the capture passed from one graph to the next: the
-    next replay, on whatever stream, must not overlap the rest of the last one."""
+def test_the_next_graph_call_waits_for_the_rest_of_a_replay_that_joined_early(monkeypatch):
+    """That rest may read its static inputs, which the next call of the same graph overwrites, and
+    graphs share a memory pool whose blocks the capture passed from one graph to the next: the
+    next call, on whatever stream, starts with the caller's stream waiting for it."""
     first, first_graphs = emulated(Scaled(), (torch.randn(2, 3, requires_grad=True),))
     second, second_graphs = emulated(Scaled(), (torch.randn(2, 3, requires_grad=True),))
     join = JoinEvent()
@@ -206,7 +212,7 @@ def test_the_next_replay_waits_for_the_rest_of_one_that_joined_early(monkeypatch
             first(x)
         tail = LOG[-1].split()[0]
         LOG.clear()
-        second(x)  # on the current stream
+        second(x)  # on the current stream, after the rest (before its static inputs are written)
         assert LOG == [f"main waits {tail}", "forward replay on main"]
         assert collectives._replay_tails == {}  # the caller's stream covers it now
         with replay_on(FakeStream("side"), join_event=join):
@@ -215,4 +221,4 @@ def test_the_next_replay_waits_for_the_rest_of_one_that_joined_early(monkeypatch
         LOG.clear()
         with replay_on(FakeStream("other")):  # on another side stream
             second(x)
-        assert LOG == ["other waits main", f"other waits {tail}", "forward replay on other", "main waits other"]
+        assert LOG == [f"main waits {tail}", "other waits main", "forward replay on other", "main waits other"]

@@ -17,6 +17,7 @@ import torch
 
 import fsdp_graph
 from fsdp_graph import GraphConfig
+from fsdp_graph.fsdp.registry import pinned_by
 from fsdp_graph.graphs import replay_stream
 
 from dist_harness import run_ranks
@@ -119,3 +120,46 @@ def _config_stream_for_every_graph(info) -> None:
 def test_a_config_replay_stream_is_the_default_of_every_graph():
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     run_ranks(_config_stream_for_every_graph, min(2, torch.cuda.device_count()))
+
+
+class InputProbe(torch.nn.Module):
+    """A module whose rest, after its join point, sleeps and then reads its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+        self.join = fsdp_graph.JoinEvent()
+        self.register_buffer("total", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.join.record()
+        with torch.no_grad():
+            torch.cuda._sleep(TAIL_CYCLES)
+            self.total.add_(x.double().sum())
+        return out
+
+
+def test_a_repeated_call_waits_for_the_rest_of_the_last_one_before_writing_its_inputs():
+    """The rest of a replay that joined early reads its static input; the next call of the same
+    graph must not overwrite that input first (the caller's stream waits at the call)."""
+    module = InputProbe().cuda()
+    stream = torch.cuda.Stream()
+    graphed = fsdp_graph.make_graphed_callables(module, (torch.zeros(8, 64, device="cuda"),),
+                                                replay_stream=stream, join_event=module.join)
+    module.total.zero_()
+    with torch.no_grad():
+        for i in range(1, 5):
+            graphed(torch.full((8, 64), float(i), device="cuda"))
+    torch.cuda.synchronize()
+    assert module.total.item() == 8 * 64 * (1 + 2 + 3 + 4)
+
+
+def test_a_join_event_the_forward_never_records_is_refused_before_anything_is_installed():
+    module = torch.nn.Linear(64, 64).cuda()
+    stray = fsdp_graph.JoinEvent()
+    with pytest.raises(ValueError, match="was not recorded by this module's forward during its capture"):
+        fsdp_graph.graph_modules([module], [(torch.zeros(8, 64, device="cuda"),)],
+                                 replay_stream=torch.cuda.Stream(), join_event=stray)
+    assert "forward" not in module.__dict__ and pinned_by(module) is None
+    fsdp_graph.graph_modules([module], [(torch.zeros(8, 64, device="cuda"),)])  # graphed as usual afterwards

@@ -16,8 +16,8 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
   it later is refused instead of leaving the graph reading stale addresses;
 * ``release_before_destroy``: a graph that captured collectives registers to be released before
   the default or an NCCL process group is destroyed (``communicator_graphs.py``);
-* replays on a caller's stream that joined it early (``note_replay_tail``, ``retire_replay_tail``,
-  ``wait_for_replay_tails``): the side streams, and the next replay, wait on those replays' ends;
+* replays on a caller's stream that joined it early (``note_replay_tail``, ``wait_for_replay_tails``):
+  the side streams, and the caller's stream at the next graph call, wait on those replays' ends;
 * collective graphs (``replay_collectives``): the graph strategies replay the units' unshard and
   reduce bodies as small CUDA graphs on their side streams;
 * per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
@@ -30,7 +30,7 @@ Nothing here imports the graph layer: the engine does not know it exists.
 from __future__ import annotations
 
 from .collective_graphs import CollectiveGraphs, GraphPool
-from .collectives import note_replay_tail, retire_replay_tail, wait_for_replay_tails
+from .collectives import note_replay_tail, wait_for_replay_tails
 from .communicator_graphs import hold as release_before_destroy
 from .hooks import (
     BACKWARD_PRE_SENTINEL,
@@ -63,7 +63,6 @@ __all__ = [
     "pre_forward_unshard",
     "release_before_destroy",
     "replay_collectives",
-    "retire_replay_tail",
     "require_fixed_addresses",
     "root_contexts",
     "units_in",

@@ -78,35 +78,38 @@ class _OnStream:
 
 # A forward graph replayed on a caller's stream that joined the caller's stream early (at a join
 # event inside the graph, ``graphs/replay_stream.py``) may still read its unit's unsharded
-# parameters after the join: its replay stream -> an event at the end of that replay. Every side
-# stream entered waits on them, so the next all-gather into the slot follows those reads. Empty
-# unless join events are used.
-_replay_tails: dict = {}
+# parameters, its static inputs and pool memory after the join: per device, its replay stream ->
+# an event at the end of that replay. Side streams entered, and the caller's stream at the next
+# graph call, wait on them. Empty unless join events are used.
+_replay_tails: dict[int, dict] = {}
 
 
 def note_replay_tail(stream, event) -> None:
     """A replay on ``stream`` ended at ``event`` after its caller's stream joined it early."""
-    _replay_tails[stream] = event
+    _replay_tails.setdefault(stream.device.index, {})[stream] = event
 
 
 def wait_for_replay_tails(stream, retire: bool) -> None:
-    """``stream`` waits for the rest of every replay that joined early. A graph replayed next may
-    reuse, from the same memory pool, the temporaries that rest still uses: the capture assumed
-    one replay after the other. ``retire``: ``stream`` is the caller's (None: the current stream),
-    which now covers them."""
-    if _replay_tails:
-        stream = torch.cuda.current_stream() if stream is None else stream
-        for tail in tuple(_replay_tails.values()):
+    """``stream`` (None: the current stream) waits for the rest of every replay on its device that
+    joined early. ``retire``: ``stream`` is the caller's, which now covers them (side streams and
+    replays wait on it)."""
+    if not _replay_tails:
+        return
+    stream = torch.cuda.current_stream() if stream is None else stream
+    device = stream.device.index
+    tails = _replay_tails.get(device)
+    if tails:
+        for tail in tuple(tails.values()):
             stream.wait_event(tail)
-        if retire:
-            _replay_tails.clear()
+    if retire:
+        _replay_tails.pop(device, None)
 
 
-def retire_replay_tail(stream) -> None:
-    """The caller's stream waited on all of ``stream``: side streams that wait on the caller's
-    stream are ordered after that replay already."""
+def retire_replay_tails(device: torch.device) -> None:
+    """The caller's stream waited for a replay stream that had waited for it after it covered every
+    tail of ``device``: nothing is left to wait on there."""
     if _replay_tails:
-        _replay_tails.pop(stream, None)
+        _replay_tails.pop(device.index, None)
 
 
 class CommStreams:
@@ -158,7 +161,7 @@ class CommStreams:
         """Wait on the host for all work on the device: every stream is joined afterwards."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            _replay_tails.clear()
+            retire_replay_tails(self.device)
         self._pending.clear()
 
     def wait_for_all(self) -> None:

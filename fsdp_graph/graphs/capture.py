@@ -42,7 +42,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from ..fsdp.capture_interface import pin_addresses
 from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .host_sync import no_host_sync
-from .replay_stream import recording_joins, refuse_unrecorded, replay_target
+from .replay_stream import check_target, recording_joins, replay_target
 
 HOOK_KEYS = ("pre_forward", "forward", "pre_backward", "backward")
 TE_HOOK_KEYS = {"forward_pre_hooks": "pre_forward", "forward_hooks": "forward",
@@ -452,6 +452,8 @@ def capture_callables(
             if not forward_only:
                 backwards[i] = backward_pass(calls[i], passes[i], calls[i].bwd_graph, pool, stream)
     torch.cuda.current_stream().wait_stream(stream)
+    for call, fwd, target in zip(calls, passes, targets):  # (refused before anything is pinned or installed)
+        check_target(target, fwd.joins, f"graphed {call.name}", stream.device)
     for call in calls:
         if call.module is not None:  # its graphs hold its parameters' addresses from now on
             pin_addresses(call.module, "make_graphed_callables")
@@ -461,8 +463,7 @@ def capture_callables(
         for call, fwd, bwd, e in zip(calls, passes, backwards, eager)
     ]
     for runner, target in zip(graphed, targets):
-        refuse_unrecorded(target, runner.captured.join_events, runner.name)
-        runner.replay_default = target
+        runner.replay_default, runner.device = target, stream.device
     return graphed
 
 

@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .frozen_arguments import changed_since_capture, same
-from .replay_stream import ReplayTarget, chosen_target, refuse_unrecorded, replay_here
+from .replay_stream import ReplayTarget, begin_call, check_target, chosen_target
 
 
 @dataclass
@@ -115,6 +115,7 @@ class GraphedCallable:
         self._pending: weakref.ref | None = None  # the autograd node of a forward awaiting its backward
         self._output_versions: list[int] = []
         self.replay_default: ReplayTarget | None = None  # replay_stream= / join_event= given when graphing
+        self.device: torch.device | None = None  # where it was captured (None: emulated graphs, in tests)
 
     # -- the call ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -133,7 +134,7 @@ class GraphedCallable:
         self._check_params()
         self._check_no_pending_backward()
         target = chosen_target(self.replay_default)
-        refuse_unrecorded(target, self.captured.join_events, self.name)
+        check_target(target, self.captured.join_events, f"graphed {self.name}", self.device)
         track = self._has_backward and torch.is_grad_enabled()
         outputs = _Replay.apply(self, track, target, *inputs, *self.params)
         if self._single_output:
@@ -236,11 +237,12 @@ class _Replay(torch.autograd.Function):
     def forward(ctx, runner: GraphedCallable, track: bool, target: ReplayTarget | None, *inputs: torch.Tensor):
         ctx.runner, ctx.target = runner, target
         ctx.set_materialize_grads(False)
+        begin_call()
         for live, static in zip(inputs, runner.static_inputs):  # (on the caller's stream, which owns them)
             if live.data_ptr() != static.data_ptr():
                 static.copy_(live)
         if target is None:
-            replay_here(runner.captured.fwd_graph)
+            runner.captured.fwd_graph.replay()
         else:
             target.replay(runner.captured.fwd_graph, runner.captured.join_events)
         runner.replays += 1
@@ -257,6 +259,7 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grads):
         runner: GraphedCallable = ctx.runner
         runner._start_backward(ctx)
+        begin_call()
         for grad, static in zip(grads, runner.captured.static_grad_outputs):
             if static is None:
                 continue
@@ -265,7 +268,7 @@ class _Replay(torch.autograd.Function):
             elif grad.data_ptr() != static.data_ptr():
                 static.copy_(grad)
         if ctx.target is None:
-            replay_here(runner.captured.bwd_graph)
+            runner.captured.bwd_graph.replay()
         else:
             ctx.target.replay(runner.captured.bwd_graph)  # joins at the end: autograd reads the gradients now
         return (None, None, None, *runner.captured.static_grad_inputs)

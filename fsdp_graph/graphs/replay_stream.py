@@ -9,12 +9,14 @@ that the caller's stream already waited on), then the caller's stream waits for 
 
 * without a join event, on the whole replay;
 * with one, only up to the point where the module's forward recorded it (``self.join.record()``
-  in ``forward``): work issued after the call overlaps the rest of the graph, which may then
-  only write what no caller-stream work reads before the next full join. FSDP's side streams
-  wait on that rest before they write what it reads (``fsdp/collectives.py``'s replay tails), and
-so does the next replay of any graph: graphs share a memory pool, whose blocks the capture
-handed from one graph to the next on the assumption that they replay one after the other. So the
-rest overlaps the caller's work up to the next replay, not the next replay itself.
+  in ``forward``): work issued after the call overlaps the rest of the graph. That rest may only
+  write what no caller-stream work reads before the next graph call, and may read the outputs
+  only if the caller does not change them in place. FSDP's side streams wait on it before they
+  write what it reads (``fsdp/collectives.py``'s replay tails), and the caller's stream waits on
+  it at the next graph call, before that call writes its static inputs: the rest may still read
+  its own, and graphs share a memory pool whose blocks the capture handed from one graph to the
+  next on the assumption that they replay one after the other. So the rest overlaps the caller's
+  work up to the next graph call.
 
 A backward always joins the whole replay: autograd reads its gradients on the caller's stream
 right after it. The stream chosen for a forward call also replays that call's backward.
@@ -22,7 +24,7 @@ right after it. The stream chosen for a forward call also replays that call's ba
 ``JoinEvent`` is a marker, not a CUDA event: each capture that sees ``record()`` gets its own
 external CUDA event (``torch.cuda.Event(external=True)``), recorded inside that graph, so a wait
 after a replay refers to exactly that replay. A join event the replayed graph never recorded would
-wait on nothing (a silent race): it is refused.
+wait on nothing (a silent race): it is refused. One ``JoinEvent`` may serve several modules.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..fsdp.capture_interface import note_replay_tail, retire_replay_tail, wait_for_replay_tails
+from ..fsdp.capture_interface import note_replay_tail, wait_for_replay_tails
 
 
 class JoinEvent:
@@ -76,11 +78,10 @@ class ReplayTarget:
         self.stream, self.join_event = stream, join_event
 
     def replay(self, graph, joins: dict | None = None) -> None:
-        """Replay ``graph`` on the stream. ``joins``: the join events the graph's forward recorded
-        (None for a backward or a whole step, which join at the end)."""
+        """Replay ``graph`` on the stream (after ``begin_call``). ``joins``: the join events the
+        graph's forward recorded (None for a backward or a whole step, which join at the end)."""
         current = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(current)
-        wait_for_replay_tails(self.stream, retire=False)  # (another stream's rest may use this pool's memory)
         torch.cuda.set_stream(self.stream)  # (torch.cuda.stream() would look the device up twice more)
         try:
             graph.replay()
@@ -93,7 +94,14 @@ class ReplayTarget:
             note_replay_tail(self.stream, tail)
         else:
             current.wait_stream(self.stream)
-            retire_replay_tail(self.stream)
+
+
+def begin_call() -> None:
+    """At every graph call, before its static inputs are written: the caller's stream waits for the
+    rest of any replay that joined early. That rest may still read its static inputs, and pool
+    memory the capture handed on to the graph replayed next (it assumed one replay after the
+    other). Nothing on CPU, or when no join event is in use."""
+    wait_for_replay_tails(None, retire=True)
 
 
 def replay_target(stream, join_event, where: str) -> ReplayTarget | None:
@@ -122,10 +130,11 @@ _chosen = threading.local()  # the replay_on stack of the calling thread
 
 
 @contextmanager
-def replay_on(stream: torch.cuda.Stream, join_event: JoinEvent | None = None) -> Iterator[None]:
+def replay_on(stream: torch.cuda.Stream | None, join_event: JoinEvent | None = None) -> Iterator[None]:
     """Replay the graphs called in the body on ``stream`` (graphed modules, whole steps and
     whole evaluation forwards), the caller's stream joining at ``join_event`` (a forward that
-    recorded it) or at the end of each replay. Overrides a default given when graphing."""
+    recorded it) or at the end of each replay. Overrides a default given when graphing; ``None``
+    replays on the current stream."""
     target = replay_target(stream, join_event, "replay_on")
     stack = _chosen.__dict__.setdefault("stack", [])
     stack.append(target)
@@ -141,32 +150,44 @@ def chosen_target(default: ReplayTarget | None) -> ReplayTarget | None:
     return stack[-1] if stack else default
 
 
-def refuse_unrecorded(target: ReplayTarget | None, joins: dict, name: str) -> None:
-    if target is not None and target.join_event is not None and target.join_event not in joins:
+def check_target(target: ReplayTarget | None, joins: dict, name: str, device: torch.device | None) -> None:
+    """Refuse a join event the graph's forward did not record, and a stream of another device."""
+    if target is None:
+        return
+    if device is not None and _index(target.stream.device) != _index(device):
         raise ValueError(
-            f"graphed {name}: join_event {target.join_event!r} was not recorded by this module's forward during "
+            f"{name}: the replay stream is on {target.stream.device}, but the graph was captured on {device}. "
+            f"Create the stream on the graph's device: torch.cuda.Stream(device={str(device)!r})."
+        )
+    if target.join_event is not None and target.join_event not in joins:
+        raise ValueError(
+            f"{name}: join_event {target.join_event!r} was not recorded by this module's forward during "
             "its capture, so a wait on it would wait on nothing. Call join_event.record() in the forward of the "
             "module it is given for (after the last write of every output), then graph it again; or give no "
             "join_event (the caller's stream then waits for the whole replay)."
         )
 
 
-def replay_whole(graph, default: ReplayTarget | None, what: str) -> None:
-    """Replay a whole-step or whole-forward ``graph`` where ``replay_on`` (else ``default``) says,
-    joined at its end: its outputs (loss, gradients, weights) are all read after it."""
+def whole_target(default: ReplayTarget | None, what: str, device: torch.device) -> ReplayTarget | None:
+    """Where a whole-step or whole-forward graph replays: ``replay_on``, else ``default``; joined at
+    its end, since its outputs (loss, gradients, weights) are all read after it."""
     target = chosen_target(default)
-    if target is None:
-        replay_here(graph)
-        return
-    if target.join_event is not None:
+    if target is not None and target.join_event is not None:
         raise ValueError(
             f"{what}: a join_event was given for a whole-step (or whole-forward) graph, whose loss, gradients and "
             "weights are all read after it: it joins at its end. Pass replay_on(stream) without join_event."
         )
-    target.replay(graph)
+    check_target(target, {}, what, device)
+    return target
 
 
-def replay_here(graph) -> None:
-    """Replay ``graph`` on the current stream, after the rest of any replay that joined early."""
-    wait_for_replay_tails(None, retire=True)
-    graph.replay()
+def replay_whole(graph, target: ReplayTarget | None) -> None:
+    begin_call()
+    if target is None:
+        graph.replay()
+    else:
+        target.replay(graph)
+
+
+def _index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 from ..fsdp.capture_interface import TrainingState, root_contexts, units_in
 from ..graphs.host_sync import no_host_sync
 from ..graphs.module_graphs import eval_mode
-from ..graphs.replay_stream import replay_target, replay_whole
+from ..graphs.replay_stream import replay_target, replay_whole, whole_target
 from ..graphs.static_inputs import StaticInputs
 from ..graphs.whole_graph import capture_whole, on_stream
 
@@ -64,6 +64,7 @@ class GraphedForward:
         self.replays = 0
 
     def __call__(self, *args: torch.Tensor):
+        target = whole_target(self.replay_default, "make_eval_step", self.units[0].device)
         busy = [u for u in self.units if u.state is not TrainingState.IDLE]
         if busy:
             raise RuntimeError(
@@ -71,7 +72,7 @@ class GraphedForward:
                 "units' parameter buffers, so call it between training steps, not inside forward/backward."
             )
         self.inputs.copy_in(args)
-        replay_whole(self.graph, self.replay_default, "make_eval_step")
+        replay_whole(self.graph, target)
         self.replays += 1
         # Copies: the next replay overwrites the static outputs.
         return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, self.static_outputs)

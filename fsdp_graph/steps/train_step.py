@@ -40,7 +40,7 @@ import torch.nn as nn
 from ..fsdp.capture_interface import root_contexts, units_in
 from ..fsdp.clip_grad import clip_grad_norm_
 from ..graphs.host_sync import no_host_sync
-from ..graphs.replay_stream import replay_target, replay_whole
+from ..graphs.replay_stream import replay_target, replay_whole, whole_target
 from ..graphs.static_inputs import StaticInputs
 from ..graphs.whole_graph import capture_whole, on_stream
 
@@ -167,6 +167,7 @@ class GraphedTrainStep:
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         try:
+            target = whole_target(self.replay_default, "make_train_step", self.device)
             self._check_learning_rates()
             self._check_divide_factors()
             self.inputs.copy_in(batch)
@@ -177,7 +178,7 @@ class GraphedTrainStep:
             if self.eager_steps < self.num_warmup_iters:
                 return self._eager_step()
             self._capture()
-        replay_whole(self.graph, self.replay_default, "make_train_step")
+        replay_whole(self.graph, target)
         self.replays += 1
         if self.body.optimizer is None:
             self._expose_grads()
