@@ -105,13 +105,6 @@ def wait_for_replay_tails(stream, retire: bool) -> None:
         _replay_tails.pop(device, None)
 
 
-def retire_replay_tails(device: torch.device) -> None:
-    """The caller's stream waited for a replay stream that had waited for it after it covered every
-    tail of ``device``: nothing is left to wait on there."""
-    if _replay_tails:
-        _replay_tails.pop(device.index, None)
-
-
 class CommStreams:
     """Side streams for all-gathers and reduce-scatters (None on CPU, where all is synchronous)."""
 
@@ -130,7 +123,8 @@ class CommStreams:
             return nullcontext()
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
-        wait_for_replay_tails(stream, retire=False)
+        if _replay_tails:
+            wait_for_replay_tails(stream, retire=False)
         self._pending.add(stream)
         if torch.cuda.current_device() != self.device.index:
             return torch.cuda.stream(stream)  # it switches the device as well
@@ -161,7 +155,7 @@ class CommStreams:
         """Wait on the host for all work on the device: every stream is joined afterwards."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            retire_replay_tails(self.device)
+            _replay_tails.pop(self.device.index, None)  # (every replay on the device is done)
         self._pending.clear()
 
     def wait_for_all(self) -> None:

@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .frozen_arguments import changed_since_capture, same
-from .replay_stream import ReplayTarget, begin_call, check_target, chosen_target
+from .replay_stream import ReplayTarget, begin_call, check_target, chosen_target, launch
 
 
 @dataclass
@@ -241,10 +241,7 @@ class _Replay(torch.autograd.Function):
         for live, static in zip(inputs, runner.static_inputs):  # (on the caller's stream, which owns them)
             if live.data_ptr() != static.data_ptr():
                 static.copy_(live)
-        if target is None:
-            runner.captured.fwd_graph.replay()
-        else:
-            target.replay(runner.captured.fwd_graph, runner.captured.join_events)
+        launch(runner.captured.fwd_graph, target, runner.captured.join_events)
         runner.replays += 1
         if track:
             runner._pending = weakref.ref(ctx)
@@ -267,8 +264,5 @@ class _Replay(torch.autograd.Function):
                 static.zero_()
             elif grad.data_ptr() != static.data_ptr():
                 static.copy_(grad)
-        if ctx.target is None:
-            runner.captured.bwd_graph.replay()
-        else:
-            ctx.target.replay(runner.captured.bwd_graph)  # joins at the end: autograd reads the gradients now
+        launch(runner.captured.bwd_graph, ctx.target)  # joins at the end: autograd reads the gradients now
         return (None, None, None, *runner.captured.static_grad_inputs)

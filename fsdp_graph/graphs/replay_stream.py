@@ -181,12 +181,17 @@ def whole_target(default: ReplayTarget | None, what: str, device: torch.device) 
     return target
 
 
-def replay_whole(graph, target: ReplayTarget | None) -> None:
-    begin_call()
+def launch(graph, target: ReplayTarget | None, joins: dict | None = None) -> None:
+    """Replay ``graph`` on the current stream (no target) or where ``target`` says (after ``begin_call``)."""
     if target is None:
         graph.replay()
     else:
-        target.replay(graph)
+        target.replay(graph, joins)
+
+
+def replay_whole(graph, target: ReplayTarget | None) -> None:
+    begin_call()
+    launch(graph, target)
 
 
 def _index(device: torch.device) -> int:
