@@ -22,6 +22,8 @@ mask), fsdp2_eager keeps HF's default (SDPA's is_causal kernels).
   ours_layer_graphs_eager_fsdp  the same with GraphConfig(collective_graphs=False): the units'
                      unshard and reduce run eagerly between the graphed blocks (the system before
                      collective graphs, for comparison in the same run)
+  ours_segment_graphs  the same, the blocks graphed --segment-size (3) at a time with their FSDP
+                     steps inside: GraphConfig(strategy="layer", segment_size=3)
   ours_full_iteration  the same, the whole step (collectives and a capturable AdamW step
                      included) as one graph: fsdp_graph.make_train_step with
                      GraphConfig(strategy="full_iteration")
@@ -65,12 +67,13 @@ from hot_path import HotPathTimer  # noqa: E402
 from step_profile import kernel_breakdown  # noqa: E402
 
 SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp",
-           "ours_full_iteration", "floor")
+           "ours_segment_graphs", "ours_full_iteration", "floor")
 # Added by --offload (GPU only): every block's activations offloaded, then every 2nd, 3rd, 4th block's.
 OFFLOAD_SYSTEMS = ("ours_eager_offload", "ours_eager_offload_every2", "ours_eager_offload_every3",
                    "ours_eager_offload_every4")
-GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp", "ours_full_iteration",
-                 "floor")
+GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp", "ours_segment_graphs",
+                 "ours_full_iteration", "floor")
+SEGMENT_SIZE = [3]  # ours_segment_graphs' blocks per graph (--segment-size)
 WHOLE_GRAPH_SYSTEMS = ("fsdp2_full_graph", "floor")
 LOSS_RTOL = 1e-2  # bf16 compute: different reduction orders drift apart by far less than this
 LR = 3e-4
@@ -252,11 +255,12 @@ ours_eager_offload_every3 = _offloading(3)
 ours_eager_offload_every4 = _offloading(4)
 
 
-def ours_layer_graphs(bench, env, batches, warmup, collective_graphs=True):
+def ours_layer_graphs(bench, env, batches, warmup, collective_graphs=True, segment_size=1):
     """Every block graphed (captured now, from an example forward on the first batch)."""
     model = ours_sharded(bench, env)
     block_class = type(blocks_of(model)[0])  # FSDP<Block>, which every sharded block is
-    config = fsdp_graph.GraphConfig(strategy="layer", modules=block_class, collective_graphs=collective_graphs)
+    config = fsdp_graph.GraphConfig(strategy="layer", modules=block_class, collective_graphs=collective_graphs,
+                                    segment_size=segment_size)
     opt = make_optimizer(model, capturable=True)
     step = fsdp_graph.make_train_step(loss_fn_of(model), model, opt, config=config, example_batch=batches[0])
     return owning(step, model, opt), None
@@ -264,6 +268,10 @@ def ours_layer_graphs(bench, env, batches, warmup, collective_graphs=True):
 
 def ours_layer_graphs_eager_fsdp(bench, env, batches, warmup):
     return ours_layer_graphs(bench, env, batches, warmup, collective_graphs=False)
+
+
+def ours_segment_graphs(bench, env, batches, warmup):
+    return ours_layer_graphs(bench, env, batches, warmup, segment_size=SEGMENT_SIZE[0])
 
 
 def ours_full_iteration(bench, env, batches, warmup):
@@ -622,6 +630,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--offload", action="store_true",
                    help="also run ours_eager_offload[_everyN]: the activations of every (every N-th) block "
                         "offloaded to pinned host memory")
+    p.add_argument("--segment-size", type=int, default=SEGMENT_SIZE[0],
+                   help="blocks per graph of ours_segment_graphs")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="timed steps per system")
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 warm-up and 3 timed steps (CPU/gloo in CI)")
@@ -662,6 +672,7 @@ def main(argv=None) -> None:
         return
     if args.deterministic:
         make_deterministic()
+    SEGMENT_SIZE[0] = args.segment_size
     info = fsdp_graph.init_distributed()
     env = Env(info.rank, info.world_size, info.device)
     records = []

@@ -16,6 +16,7 @@ The public API (README.md has the full picture; docs/architecture.md the design)
 - ``GraphConfig`` + ``make_train_step`` / ``make_eval_step``: eager, per-layer or whole-step
   graphs, chosen by configuration and validated up front.
 - ``graph_modules`` / ``select_modules``: graph chosen modules in place;
+- ``graph_segments``: graph k consecutive FSDP blocks per graph, their FSDP steps inside;
   ``make_graphed_callables``: the low-level capture with capture-time hooks.
 - ``offload_activations``: chosen modules' saved activations in pinned host memory between
   forward and backward (eager modules).
@@ -43,6 +44,7 @@ from .graphs.capture import make_graphed_callables
 from .graphs.host_sync import HostSyncError
 from .graphs.module_graphs import graph_modules, select_modules
 from .graphs.replay_stream import JoinEvent, replay_on
+from .graphs.segment_graphs import graph_segments
 from .steps.graph_config import GraphConfig
 from .steps.make_step import make_eval_step, make_train_step
 
@@ -62,6 +64,7 @@ __all__ = [
     "full_state_dict",
     "fully_shard",
     "graph_modules",
+    "graph_segments",
     "hf",
     "init_distributed",
     "load_full_state_dict",

@@ -20,6 +20,9 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
   the side streams, and the caller's stream at the next graph call, wait on those replays' ends;
 * collective graphs (``replay_collectives``): the graph strategies replay the units' unshard and
   reduce bodies as small CUDA graphs on their side streams;
+* for segment graphs (several units' steps captured, eager code around them): the unit hooks
+  (``unit_hooks``) to take off, ``run_as_forward`` to run a unit's steps by hand, and per unit
+  ``segmented`` (no prefetch from outside) and ``param_group`` (its slot, ``evict``);
 * per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
   ``grads.pin_sharded()``, ``grads.expose_sharded(unused)``, ``grads.use.unused`` (the parameters
   no rank gave a gradient, as decided at the capture).
@@ -35,10 +38,15 @@ from .communicator_graphs import hold as release_before_destroy
 from .hooks import (
     BACKWARD_PRE_SENTINEL,
     BACKWARD_SENTINEL,
+    cast_forward_inputs,
+    cast_forward_outputs,
+    install_post_backward,
+    install_pre_backward,
     post_backward_handler,
     post_forward_reshard,
     pre_backward_handler,
     pre_forward_unshard,
+    run_as_forward,
 )
 from .registry import enclosing_unit, leaf_units, pin_addresses, root_contexts, units_in
 from .root import RootContext
@@ -65,9 +73,15 @@ __all__ = [
     "replay_collectives",
     "require_fixed_addresses",
     "root_contexts",
+    "run_as_forward",
+    "unit_hooks",
     "units_in",
     "wait_for_replay_tails",
 ]
+
+# Every hook fully_shard registers on a unit's module (``hooks.py``).
+unit_hooks = frozenset({pre_forward_unshard, cast_forward_inputs, install_post_backward, post_forward_reshard,
+                        install_pre_backward, cast_forward_outputs})
 
 
 def require_fixed_addresses(unit: FSDPUnit, what: str) -> None:

@@ -187,6 +187,16 @@ class RootContext:
             self.order.restore(order)
             self._end_of_backward_queued = False
 
+    @contextmanager
+    def end_of_backward_deferred(self) -> Iterator[None]:
+        """Backwards through part of the model (a segment graph's warm-up and capture): the root's
+        end-of-backward step is not queued by them; the real backward's end runs it."""
+        self._end_of_backward_queued = True
+        try:
+            yield
+        finally:
+            self._end_of_backward_queued = False
+
     def forget_events(self) -> None:
         """Around a whole-step capture: see ``FSDPUnit.forget_events``. Synchronises the device."""
         self.lazy_init()

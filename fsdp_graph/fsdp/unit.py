@@ -113,6 +113,7 @@ class FSDPUnit:
         self.backward_prefetch: list[FSDPUnit] | None = None
         self.collective_graphs_chosen: bool | None = None  # graph_modules(collective_graphs=) given for it
         self.parent: FSDPUnit | None = None
+        self.segmented = False  # its steps replay inside a segment graph: nothing outside it prefetches it
         self._streams: CommStreams | None = None
         self._order: ExecutionOrder | None = None
         self._awaits_end_of_backward = False  # inputs need no grad: post-backward at the root's end of backward
@@ -233,7 +234,7 @@ class FSDPUnit:
     def prefetch(self, for_backward: bool) -> None:
         """Gather ahead of this unit's step (asked by the unit before it). Not while it computes;
         not twice in a forward; not in a backward when the buffer still holds its parameters."""
-        if self.state is not TrainingState.IDLE:
+        if self.state is not TrainingState.IDLE or self.segmented:
             return
         state = self.param_group.state
         if state is ShardState.PREFETCHED or state is ShardState.UNSHARDED or (for_backward and state in HOLDS_DATA):

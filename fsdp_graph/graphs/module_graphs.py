@@ -50,6 +50,7 @@ from .capture import argument_names, capture_callables, default_targets, require
 from .frozen_arguments import new_object_each_call, same
 from .graphed_callable import GraphedCallable
 from .reroute import ModuleHooks, hooks_taken_off, seal_submodule_hooks
+from .segment_graphs import SEGMENT_MARK, refuse_segmented
 
 Selection = type | tuple | Callable[[str, nn.Module], bool]
 
@@ -108,8 +109,9 @@ def _unit_to_unshard(module: nn.Module, name: str) -> FSDPUnit | None:
 
 def graph_kinds(module: nn.Module) -> set[bool]:
     """The kinds of graph installed on ``module`` (True: training, False: forward-only), following
-    the fallback chain from the installed graph to the other kind's."""
-    kinds, runner = set(), module.__dict__.get("forward")
+    the fallback chain from the installed graph to the other kind's (a block of a segment graph:
+    training)."""
+    kinds, runner = {True} if SEGMENT_MARK in module.__dict__ else set(), module.__dict__.get("forward")
     while isinstance(runner, GraphedCallable):
         kinds.add(runner.captured.grad_enabled)
         runner = runner.eager
@@ -270,6 +272,7 @@ def graph_modules(
     modules = list(modules)
     names = [_describe(m, i) for i, m in enumerate(modules)]
     _check_selection(modules, names, forward_only)
+    refuse_segmented(modules, names, "graph_modules")
     default_targets(replay_stream, join_event, names)  # (checked before any capture; set by the capture)
     if not forward_only:
         refuse_offloaded(modules, names)

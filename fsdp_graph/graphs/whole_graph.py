@@ -64,13 +64,15 @@ class ReleasableGraph:
         self._graph = None
 
 
-def capture_whole(what: str, run: Callable[[], T], contexts: list[RootContext], stream: torch.cuda.Stream):
-    """Capture ``run()`` on ``stream``; returns (graph, what ``run`` returned: its static outputs)."""
+def capture_whole(what: str, run: Callable[[], T], contexts: list[RootContext], stream: torch.cuda.Stream,
+                  pool=None):
+    """Capture ``run()`` on ``stream`` (into ``pool``, a fresh one if None); returns (graph, what
+    ``run`` returned: its static outputs)."""
     for ctx in contexts:
         ctx.forget_events()  # (synchronises the device)
     graph = torch.cuda.CUDAGraph()
     try:
-        with gc_paused(), torch.cuda.graph(graph, stream=stream):
+        with gc_paused(), torch.cuda.graph(graph, pool=pool, stream=stream):
             result = run()
     except BaseException as err:
         for ctx in contexts:

@@ -10,6 +10,9 @@ Three independent settings (after Megatron's split):
   optimizer step as one graph: ``graph_train_step``);
 * ``modules``, which modules ``"layer"`` graphs: a module class, a tuple of classes, a predicate
   ``(name, module) -> bool`` or a list of modules; None means every leaf FSDP unit (the blocks);
+* ``segment_size``, for ``"layer"``: k > 1 graphs k consecutive blocks (FSDP units) per graph
+  with their FSDP steps inside (``graph_segments``), for blocks too small to hide the host's
+  work per layer; 1 (the default) graphs each module on its own;
 * ``forward_only``, for evaluation: ``"none"``, ``"layer"`` (the same modules, forward-only
   graphs, unshard outside) or ``"model"`` (the whole forward with its unshards in one graph).
 
@@ -50,6 +53,7 @@ class GraphConfig:
     collective_graphs: bool | None = None  # "layer": the units' unshard/reduce replayed as graphs too (None:
     # as an earlier step chose for them, else True)
     replay_stream: torch.cuda.Stream | None = None  # every graph the step makes replays there (replay_on overrides)
+    segment_size: int = 1  # "layer": k > 1 graphs k consecutive blocks per graph, their FSDP steps inside
 
 
 def _choice(value, choices: tuple, field: str) -> str:
@@ -72,6 +76,20 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
     if config.replay_stream is not None and not isinstance(config.replay_stream, torch.cuda.Stream):
         raise TypeError(
             f"GraphConfig.replay_stream must be a torch.cuda.Stream or None, not {type(config.replay_stream).__name__}"
+        )
+    size = config.segment_size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"GraphConfig.segment_size must be an int >= 1, got {size!r}")
+    if size > 1 and strategy != "layer":
+        raise ValueError(
+            f"GraphConfig: segment_size={size} groups the blocks of strategy='layer' into segment graphs, but the "
+            f"strategy is {strategy!r}. Use strategy='layer', or drop segment_size."
+        )
+    if size > 1 and forward_only == "layer":
+        raise ValueError(
+            f"GraphConfig: segment_size={size} with forward_only='layer': a segment's blocks run their FSDP steps "
+            "inside its training graphs, so they cannot also get forward-only graphs of their own. Use "
+            "forward_only='model' (the whole forward as one graph) or 'none' (the blocks evaluate eagerly)."
         )
     if not isinstance(config.num_warmup_iters, int) or config.num_warmup_iters < 1:
         raise ValueError(f"GraphConfig.num_warmup_iters must be an int >= 1, got {config.num_warmup_iters!r}")

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..fsdp.capture_interface import root_contexts
 from ..graphs.module_graphs import eval_mode, graph_modules, record_sample_args
+from ..graphs.segment_graphs import graph_segments
 from .eval_step import EvalStep, GraphedForward
 from .graph_config import GraphConfig, check_capturable_optimizer, selected_modules, validate_graph_config
 from .train_step import GraphedTrainStep, TrainStep
@@ -55,9 +56,21 @@ def make_train_step(
         check_capturable_optimizer(optimizer)
         return GraphedTrainStep(body, example, num_warmup_iters=config.num_warmup_iters,
                                 replay_stream=config.replay_stream)
+    if config.segment_size > 1 and grad_accum_steps > 1:
+        raise ValueError(
+            f"make_train_step: GraphConfig(segment_size={config.segment_size}) with grad_accum_steps="
+            f"{grad_accum_steps}: a segment's backward graph reduce-scatters at every backward, but accumulation "
+            "runs the first micro-batches under no_sync. Use segment_size=1, or strategy='full_iteration' (which "
+            "accumulates inside its graph)."
+        )
     modules = selected_modules(model, config)
     micro = body.micro_batches(example)[0]
     samples = _samples(model, modules, lambda: loss_fn(*micro))
+    if config.segment_size > 1:
+        graph_segments(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
+                       segment_size=config.segment_size, num_warmup_iters=config.num_warmup_iters,
+                       replay_stream=config.replay_stream)
+        return body
     graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
                   num_warmup_iters=config.num_warmup_iters, collective_graphs=config.collective_graphs,
                   replay_stream=config.replay_stream)

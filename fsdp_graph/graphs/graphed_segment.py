@@ -1,0 +1,294 @@
+"""A segment at replay: k consecutive FSDP blocks, their FSDP steps inside one forward and one backward graph.
+
+Installed as each block's ``forward`` by ``graph_segments`` (``segment_graphs.py``), so the model
+keeps calling its blocks one by one. The first block's call replays the forward graph (every
+block of the segment, with their all-gathers) and returns its own output; each later block's call
+checks that it gets the previous block's output and the first block's other arguments, and returns
+its own. Anything else would be a block computed from another input than the one it was given: it
+raises. One autograd function spans the segment; its backward replays the backward graph (the
+blocks' backward with their unshards and reduce-scatters into the pinned sharded gradients).
+
+The graphs depend on no Python state outside them (``docs/segment_graphs.md``). What the replay
+does around them, and why:
+
+* the caller's stream first waits on FSDP's side streams: eager collectives of other units use the
+  same staging and slots, and the graph's own side-stream branches wait only on the caller's stream;
+* afterwards the slots the graph wrote are marked as its units' (``claim_slots``), so a unit that
+  believed its data was still in one gathers again;
+* before the backward: the refusals that keep it equal to eager (``no_sync``, a changed divide
+  factor, a replaced ``.grad``, a post-accumulate-grad hook), and ``.grad`` None made a zeroed view
+  of the pinned buffer, since the graph adds into it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from ..fsdp.capture_interface import FSDPUnit, run_as_forward
+from .frozen_arguments import changed_since_capture, same
+from .graphed_callable import CaptureGroup, autocast_state, describe_signature
+from .replay_stream import launch, whole_target
+
+NO_SYNC_FIX = "graph these blocks with segment_size=1 (GraphConfig(strategy='layer')), whose reduce runs eagerly"
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class GraphedSegment:
+    """One segment's graphs, static tensors and replay (see the module docstring)."""
+
+    def __init__(self, name: str, modules: list[nn.Module], units: list[FSDPUnit], group: CaptureGroup) -> None:
+        self.name = name
+        self.modules = modules
+        self.units = units
+        self.group = group
+        self.index = len(group.members)
+        group.members.append(self)
+        self.eager: list[Callable] = [m.forward for m in modules]  # the blocks' own forwards
+        self.streams = units[0]._streams
+        self.device = units[0].device
+        self.replays = 0  # forward replays so far
+        self.replay_default = None  # a ReplayTarget (replay_stream= given when graphing)
+        # Set by the capture (``segment_graphs.py``):
+        self.fwd_graph = self.bwd_graph = None
+        self.input_spec = None
+        self.input_leaves: list = []  # static tensors and frozen non-tensors of the first block's call
+        self.input_names: list[str] = []
+        self.signature = ""
+        self.static_outputs: list[torch.Tensor] = []
+        self.static_grad_outputs: list[torch.Tensor] = []
+        self.static_grad_inputs: list = []  # per input tensor: its gradient, or None
+        self.training = True
+        self.autocast = (False, None)
+        self.trainable: list[list[bool]] = []  # per unit, per parameter: requires_grad at capture
+        self.divide_factors: list = []
+        self.claims_forward: list[tuple] = []  # (slot buffers, unit) the forward graph leaves in each slot
+        self.claims_backward: list[tuple] = []
+        # Per call:
+        self._pending: weakref.ref | None = None  # the autograd node of a forward awaiting its backward
+        self._outputs: tuple | None = None  # this forward's outputs, until the last block has had its own
+        self._rest: tuple | None = None  # the first block's arguments after the first
+        self._output_versions: list[int] = []
+        self._grad_zero = [False] * 0  # per static gradient output: known to hold zeros
+
+    def finish_capture(self) -> None:
+        self._tensor_positions = [i for i, x in enumerate(self.input_leaves) if isinstance(x, torch.Tensor)]
+        self.static_inputs = [self.input_leaves[i] for i in self._tensor_positions]
+        self._constants = [(i, x) for i, x in enumerate(self.input_leaves) if not isinstance(x, torch.Tensor)]
+        self._grad_zero = [False] * len(self.static_grad_outputs)
+
+    # -- the blocks' calls -------------------------------------------------------------------
+    def call(self, position: int, args: tuple, kwargs: dict):
+        module = self.modules[position]
+        if not torch.is_grad_enabled() or module.training != self.training:
+            self._outputs = self._rest = None
+            return run_as_forward(module, self.eager[position], args, kwargs)  # (evaluation: its steps by hand)
+        if position == 0:
+            return self._forward(args, kwargs)
+        outputs = self._outputs
+        if outputs is None or not args or args[0] is not outputs[position - 1]:
+            raise RuntimeError(
+                f"{self._block(position)} was called with another input than the output of the block before it in "
+                f"its segment ({self.name}), which the segment's graph computed it from. The blocks of a segment "
+                "must run one after the other, each on the previous one's output (x = block(x)). Change the code "
+                "between them, or graph these blocks with a smaller segment_size (1: each block on its own)."
+            )
+        rest_args, rest_kwargs = self._rest
+        if len(args) - 1 != len(rest_args) or kwargs.keys() != rest_kwargs.keys() or not all(
+            a is b or (not isinstance(a, torch.Tensor) and same(a, b))
+            for a, b in zip((*args[1:], *kwargs.values()), (*rest_args, *(rest_kwargs[k] for k in kwargs)))
+        ):
+            raise RuntimeError(
+                f"{self._block(position)} was called with other arguments (besides its input) than the first block "
+                f"of its segment ({self.name}); the segment's graph gave every block the first block's. Pass the "
+                "same objects to every block, or graph these blocks with segment_size=1."
+            )
+        output = outputs[position]
+        if position == len(self.modules) - 1:
+            self._outputs = self._rest = None  # (held until every block has had its output)
+        return output
+
+    def _block(self, position: int) -> str:
+        return f"block {position} ({type(self.modules[position]).__name__}) of segment {self.name}"
+
+    def _forward(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        if _in_backward():
+            raise RuntimeError(
+                f"segment {self.name}: a block's forward ran inside a backward (activation checkpointing's "
+                "recompute?). A segment graph replays its forward once per backward. Leave these blocks "
+                "without checkpointing, or graph them with segment_size=1."
+            )
+        if autocast_state() != self.autocast:
+            raise RuntimeError(
+                f"segment {self.name}: autocast is {autocast_state()} but was {self.autocast} at capture; the graph "
+                "replays the kernels chosen then. Call it under the same autocast setting."
+            )
+        self._outputs = self._rest = None  # (a forward that stopped early: its outputs no longer held here)
+        tensors = self._live_inputs(args, kwargs)
+        self._check_trainable()
+        if self._pending is not None and self._pending() is not None:
+            raise RuntimeError(
+                f"segment {self.name}: forward called again while the previous forward's backward is still pending; "
+                "its activations live in the graph's memory and would be overwritten. Run backward first, or drop "
+                "every reference to the previous output's autograd graph."
+            )
+        target = whole_target(self.replay_default, f"segment {self.name}", self.device)
+        outputs = _SegmentReplay.apply(self, target, *tensors)
+        self._outputs = outputs
+        self._rest = (args[1:], kwargs)
+        return outputs[0]
+
+    def _live_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        flat, spec = tree_flatten((args, kwargs))
+        if spec != self.input_spec:
+            raise ValueError(
+                f"segment {self.name}: called with {describe_signature(args, kwargs)}, but it was captured with "
+                f"{self.signature}. A graph replays one call signature: pass the same arguments as the sample."
+            )
+        for i, frozen in self._constants:
+            if not same(flat[i], frozen):
+                raise ValueError(changed_since_capture(f"segment {self.name}", self.input_names[i], flat[i], frozen))
+        tensors = [flat[i] for i in self._tensor_positions]
+        for i, (live, static) in enumerate(zip(tensors, self.static_inputs)):
+            if not (isinstance(live, torch.Tensor) and live.shape == static.shape and live.dtype == static.dtype
+                    and live.device == static.device and live.requires_grad == static.requires_grad):
+                got = (f"shape {tuple(live.shape)}, {live.dtype}, requires_grad={live.requires_grad}"
+                       if isinstance(live, torch.Tensor) else type(live).__name__)
+                raise ValueError(
+                    f"segment {self.name}: input {self.input_names[self._tensor_positions[i]]} is {got}, but the "
+                    f"graph was captured with shape {tuple(static.shape)}, {static.dtype}, requires_grad="
+                    f"{static.requires_grad}. A CUDA graph replays fixed shapes: pad the input to the captured "
+                    "shape, or leave these blocks eager."
+                )
+        return tensors
+
+    def _check_trainable(self) -> None:
+        for unit, flags in zip(self.units, self.trainable):
+            if any(p.master.requires_grad is not flag for p, flag in zip(unit.params, flags)):
+                raise RuntimeError(
+                    f"segment {self.name}: which parameters of FSDP unit {unit.name} require a gradient changed "
+                    "since the capture, which fixed the gradients the graph computes and reduces. Graph the "
+                    "blocks again after freezing or unfreezing parameters."
+                )
+
+    # -- around the replays ----------------------------------------------------------------
+    def claim_slots(self, claims: list[tuple]) -> None:
+        """The graph wrote these slots: whoever believed its data was there gathers again."""
+        for buffers, unit in claims:
+            owner = buffers.param_owner
+            if owner is not unit.param_group:
+                if owner is not None:
+                    owner.evict()
+                buffers.param_owner = unit.param_group
+
+    def start_backward(self, node) -> None:
+        if self._pending is None or self._pending() is not node:
+            raise RuntimeError(
+                f"segment {self.name}: backward without a matching forward (backward run twice for one forward, "
+                "e.g. retain_graph=True). A segment's forward supports exactly one backward."
+            )
+        if any(o._version != v for o, v in zip(self.static_outputs, self._output_versions)):
+            raise RuntimeError(
+                f"segment {self.name}: a block's output was modified in place after the forward; the backward graph "
+                "may read it (as eager autograd would refuse). Clone the output before modifying it."
+            )
+        self.group.check_backward_order(self)
+        self._pending = None
+
+    def backward_pending(self) -> bool:
+        return self._pending is not None and self._pending() is not None
+
+    def prepare_gradients(self) -> None:
+        """Refuse what the captured backward would get wrong; give ``.grad`` None a zeroed view of the
+        pinned sharded buffer (the graph adds into it, and 0 + x·s is bitwise x·s)."""
+        zeros = []
+        for unit, factor in zip(self.units, self.divide_factors):
+            grads = unit.grads
+            if not unit.requires_gradient_sync or grads.accumulation_pending:
+                raise RuntimeError(
+                    f"segment {self.name}: FSDP unit {unit.name} accumulates without synchronising (no_sync or "
+                    "set_requires_gradient_sync(False)), but the segment's backward graph reduce-scatters at every "
+                    f"backward. For gradient accumulation, {NO_SYNC_FIX}."
+                )
+            if grads.divide_factor != factor:
+                raise RuntimeError(
+                    f"segment {self.name}: set_gradient_divide_factor was called on FSDP unit {unit.name} after the "
+                    "capture; the graph keeps the factor it was captured with. Set it before graphing."
+                )
+            views, missing = grads.sharded.views, []
+            for i in grads.trainable:
+                master = unit.params[i].master
+                if master._post_accumulate_grad_hooks:
+                    raise RuntimeError(
+                        f"segment {self.name}: parameter {unit.params[i].name} of FSDP unit {unit.name} has a "
+                        "post-accumulate-grad hook, Python that a graph cannot replay. Remove it, or "
+                        f"{NO_SYNC_FIX}."
+                    )
+                grad = master.grad
+                if grad is None:
+                    missing.append(i)
+                elif grad is not views[i]:
+                    raise RuntimeError(
+                        f"segment {self.name}: the .grad of parameter {unit.params[i].name} (FSDP unit {unit.name}) "
+                        "was replaced by another tensor; the graph accumulates into the sharded gradient buffer. "
+                        "Use optimizer.zero_grad() (or set .grad to None) instead of assigning .grad."
+                    )
+            if len(missing) == len(grads.trainable):
+                zeros.append(grads.sharded.flat)
+            else:
+                zeros += [grads.sharded.local_views[i] for i in missing]
+            for i in missing:
+                unit.params[i].master.grad = views[i]
+        if zeros:
+            torch._foreach_zero_(zeros)
+
+    def copy_grad_outputs(self, grads: tuple) -> None:
+        zero = []
+        for i, (grad, static) in enumerate(zip(grads, self.static_grad_outputs)):
+            if grad is None:
+                if not self._grad_zero[i]:
+                    zero.append(static)
+                    self._grad_zero[i] = True
+            elif grad.data_ptr() != static.data_ptr():
+                static.copy_(grad)
+                self._grad_zero[i] = False
+        if zero:
+            torch._foreach_zero_(zero)
+
+
+class _SegmentReplay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, segment: GraphedSegment, target, *inputs: torch.Tensor):
+        ctx.segment, ctx.target = segment, target
+        ctx.set_materialize_grads(False)
+        # Eager collectives of other units share the staging and slots (this also waits on replays that
+        # joined early, as ``begin_call`` does).
+        segment.streams.wait_for_all()
+        for live, static in zip(inputs, segment.static_inputs):
+            if live.data_ptr() != static.data_ptr():
+                static.copy_(live)
+        launch(segment.fwd_graph, target)
+        segment.claim_slots(segment.claims_forward)
+        segment.replays += 1
+        segment._pending = weakref.ref(ctx)
+        segment._output_versions = [o._version for o in segment.static_outputs]
+        return tuple(o.detach() for o in segment.static_outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        segment: GraphedSegment = ctx.segment
+        segment.start_backward(ctx)
+        segment.prepare_gradients()
+        segment.streams.wait_for_all()
+        segment.copy_grad_outputs(grads)
+        launch(segment.bwd_graph, ctx.target)
+        segment.claim_slots(segment.claims_backward)
+        return (None, None, *segment.static_grad_inputs)

@@ -1,0 +1,365 @@
+"""``graph_segments``: k consecutive FSDP blocks per forward graph and per backward graph, their FSDP steps inside.
+
+For models whose per-layer graphs are host-bound (small blocks): the host's work per block
+(hooks, collective replays, events) falls by about k, while the model's code between segments
+still runs eagerly. Design and measurements: ``docs/segment_graphs.md``.
+
+For every segment (``segment_size`` consecutive modules of ``modules``, in execution order):
+
+1. Checks, before any capture: each module is an FSDP unit of its own (``fully_shard(block)``),
+   with no unit inside it, at fixed addresses, idle, with no hooks but FSDP's, not graphed yet;
+   every unit under one root; a capturable device.
+2. The sharded gradients of its units are pinned (the backward graph writes them in place).
+3. Warm-up, on the capture stream, with the units' hooks live and no prefetch leaving the segment:
+   ``num_warmup_iters`` eager passes, every segment's forward in order, then every backward in
+   reverse. The first one also finds parameters that get no gradient (refused: the graph would
+   give them zeros where eager gives None).
+4. Capture, as the whole step captures (``whole_graph.py``): the hooks run during the capture, so
+   the all-gathers and reduce-scatters are recorded on FSDP's side streams, which join the capture
+   stream at the end of each graph. Forwards in order, backwards in reverse, into one memory pool.
+5. Install: the units' hooks come off their modules for good, each module's ``forward`` becomes
+   its place in the segment (``graphed_segment.py``), and nothing outside a segment prefetches
+   its units any more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack, contextmanager
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..fsdp.capture_interface import (
+    FSDPUnit,
+    TrainingState,
+    enclosing_unit,
+    pin_addresses,
+    require_fixed_addresses,
+    root_contexts,
+    unit_hooks,
+    units_in,
+)
+from .activation_offload import refuse_offloaded
+from .capture import argument_names, require_cuda, static_copy
+from .graphed_callable import CaptureGroup, GraphedCallable, autocast_state, describe_signature
+from .graphed_segment import GraphedSegment
+from .host_sync import no_host_sync
+from .replay_stream import replay_target
+from .reroute import seal_submodule_hooks
+from .whole_graph import capture_whole
+
+SEGMENT_MARK = "_fsdp_graph_segment"  # on a block of a segment: its GraphedSegment
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def in_segment(module: nn.Module) -> bool:
+    return SEGMENT_MARK in module.__dict__
+
+
+def refuse_segmented(modules: Sequence[nn.Module], names: Sequence[str], what: str) -> None:
+    for module, name in zip(modules, names):
+        inside = [sub for sub in module.modules() if in_segment(sub)]
+        if inside:
+            raise ValueError(
+                f"{what}: {name} is, or contains, a block of a segment graph (graph_segments), whose FSDP steps "
+                "run inside the segment's graphs. Graph it with one kind of graph only: evaluate these blocks "
+                "eagerly (they run their FSDP steps by hand with gradients off) or graph the whole forward "
+                "(GraphConfig(forward_only='model'))."
+            )
+
+
+class _SegmentRunner:
+    """A block's ``forward`` once it belongs to a segment: its place in the segment."""
+
+    __slots__ = ("segment", "position")
+
+    def __init__(self, segment: GraphedSegment, position: int) -> None:
+        self.segment, self.position = segment, position
+
+    def __call__(self, *args, **kwargs):
+        return self.segment.call(self.position, args, kwargs)
+
+
+def _unit_of_block(module: nn.Module, name: str) -> FSDPUnit:
+    """The module's own FSDP unit, or an error naming the fix."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"graph_segments expects nn.Module objects; {name} is a {type(module).__name__}")
+    unit = enclosing_unit(module)
+    if unit is None or unit.module is not module:
+        raise ValueError(
+            f"graph_segments: {name} ({type(module).__name__}) is not an FSDP unit of its own. A segment captures "
+            "its blocks' FSDP steps, so each block must be one: call fsdp_graph.fully_shard(block) on every block "
+            "(then on the root), or use graph_modules for modules inside a unit."
+        )
+    inner = [u for u in units_in(module) if u is not unit]
+    if inner:
+        raise ValueError(f"graph_segments: {name} contains FSDP unit {inner[0].name}; segment the inner blocks instead")
+    require_fixed_addresses(unit, f"graph_segments: {name}")
+    if unit.state is not TrainingState.IDLE:
+        raise ValueError(
+            f"graph_segments: FSDP unit {unit.name} is in {unit.state.value}; graph between training steps."
+        )
+    if not unit.reshard_after_backward:
+        raise ValueError(
+            f"graph_segments: FSDP unit {unit.name} keeps its parameters gathered after backward "
+            "(set_reshard_after_backward(False)), which a segment graph does not replay. Leave it at True."
+        )
+    if isinstance(module.__dict__.get("forward"), (GraphedCallable, _SegmentRunner)):
+        raise ValueError(f"graph_segments: {name} is already graphed; graph each block once")
+    foreign = [f"{attr}: {getattr(fn, '__name__', fn)!r}" for attr in ("_forward_pre_hooks", "_forward_hooks")
+               for fn in getattr(module, attr).values() if fn not in unit_hooks]
+    foreign += [attr for attr in ("_backward_pre_hooks", "_backward_hooks") if getattr(module, attr)]
+    if foreign:
+        raise ValueError(
+            f"graph_segments: {name} has hooks of its own ({', '.join(foreign)}). A segment replays its blocks' "
+            "kernels, not their Python, so they would run only at capture. Remove them, or graph this block "
+            "with graph_modules, which runs a graphed module's hooks eagerly."
+        )
+    for param in unit.params:
+        if param.master._post_accumulate_grad_hooks:
+            raise ValueError(
+                f"graph_segments: parameter {param.name} of FSDP unit {unit.name} has a post-accumulate-grad hook "
+                "(optimizer in backward), Python that a graph cannot replay. Step the optimizer after backward, "
+                "or use graph_modules."
+            )
+    return unit
+
+
+def graph_segments(
+    modules: Sequence[nn.Module],
+    sample_args: Sequence[tuple],
+    *,
+    segment_size: int,
+    sample_kwargs: Sequence[dict | None] | None = None,
+    num_warmup_iters: int = 3,
+    pool=None,
+    replay_stream: torch.cuda.Stream | None = None,
+) -> list[GraphedSegment]:
+    """Graph ``modules`` (FSDP blocks, in the order the model calls them, e.g. ``list(model.blocks)``)
+    ``segment_size`` at a time, each segment as one forward and one backward graph with its FSDP
+    steps inside; install them in place. Call between training steps, after ``fully_shard`` on
+    every block and the root. ``sample_args`` / ``sample_kwargs``: one per module, as for
+    ``graph_modules`` (only each segment's first is used: the blocks after it get the previous
+    block's output and the first block's other arguments). Returns the segments, in order.
+
+    The model's code stays as it is (``x = block(x)``); the blocks of a segment must run one after
+    another, each on the previous one's output. Segments replay on the current stream, or on
+    ``replay_stream`` (``replay_on`` overrides it per call), joined at their end.
+    """
+    if not isinstance(segment_size, int) or isinstance(segment_size, bool) or segment_size < 1:
+        raise ValueError(f"graph_segments: segment_size must be an int >= 1, got {segment_size!r}")
+    if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
+        raise ValueError(f"graph_segments: num_warmup_iters must be an int >= 1, got {num_warmup_iters!r}")
+    modules = list(modules)
+    if not modules:
+        raise ValueError("graph_segments: no modules given")
+    sample_args = list(sample_args)
+    kwargs_list = [None] * len(modules) if sample_kwargs is None else list(sample_kwargs)
+    if len(sample_args) != len(modules) or len(kwargs_list) != len(modules):
+        raise ValueError(
+            f"graph_segments: {len(modules)} modules, {len(sample_args)} sample_args and {len(kwargs_list)} "
+            "sample_kwargs; pass one of each per module"
+        )
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("graph_segments: a module appears twice; list each block once, in execution order")
+    names = [f"module {i}" for i in range(len(modules))]
+    units = [_unit_of_block(m, name) for m, name in zip(modules, names)]
+    refuse_offloaded(modules, names)
+    contexts = list({id(c): c for u in units for c in root_contexts(u.module)}.values())
+    if len(contexts) != 1:
+        raise ValueError("graph_segments: the modules belong to different FSDP roots; graph each model's blocks "
+                         "in a call of its own")
+    require_cuda("graph_segments")
+    default = replay_target(replay_stream, None, "graph_segments")
+    group = CaptureGroup()
+    segments = []
+    for start in range(0, len(modules), segment_size):
+        end = min(start + segment_size, len(modules))
+        name = f"modules {start}..{end - 1}" if end - start > 1 else f"module {start}"
+        segment = GraphedSegment(name, modules[start:end], units[start:end], group)
+        segment.replay_default = default
+        args, kwargs = tuple(sample_args[start]), dict(kwargs_list[start] or {})
+        _set_sample(segment, args, kwargs)
+        segments.append(segment)
+    _capture(segments, contexts, num_warmup_iters, pool)
+    for segment in segments:
+        _install(segment)
+    return segments
+
+
+def _set_sample(segment: GraphedSegment, args: tuple, kwargs: dict) -> None:
+    if not args or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad:
+        raise ValueError(
+            f"graph_segments: segment {segment.name}'s sample must pass the hidden state as the first positional "
+            "argument, a tensor that requires grad (as the embeddings' output does): the segment's backward "
+            "hands its gradient back, and each later block receives the previous block's output there."
+        )
+    leaves, spec = tree_flatten((args, kwargs))
+    for name, x in zip(argument_names(args, kwargs), leaves):
+        if isinstance(x, torch.Tensor) and x.device.type != "cuda":
+            raise ValueError(
+                f"graph_segments: segment {segment.name}'s sample {name} is on {x.device}; pass CUDA tensors"
+            )
+    segment.input_spec, segment.input_leaves = spec, [static_copy(x) for x in leaves]
+    segment.input_names, segment.signature = argument_names(args, kwargs), describe_signature(args, kwargs)
+    segment.training = segment.modules[0].training
+    segment.autocast = autocast_state()
+
+
+def _sample_call(segment: GraphedSegment) -> tuple[tuple, dict]:
+    return tree_unflatten(segment.input_leaves, segment.input_spec)
+
+
+def _run_forward(segment: GraphedSegment) -> list[torch.Tensor]:
+    """The segment's blocks, eagerly with their hooks (in a capture: recorded), from the static inputs."""
+    _evict(segment)
+    args, kwargs = _sample_call(segment)
+    outputs, x = [], args[0]
+    for position, module in enumerate(segment.modules):
+        x = module(x, *args[1:], **kwargs)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"graph_segments: block {position} of segment {segment.name} returned a {type(x).__name__}; a "
+                "segment chains blocks that return one tensor (the next block's input). Graph these blocks with "
+                "graph_modules instead."
+            )
+        outputs.append(x)
+    segment.streams.wait_for_all()  # FSDP's side streams join (in a capture: the capture stream)
+    return outputs
+
+
+def _run_backward(segment: GraphedSegment, outputs: list[torch.Tensor]) -> list:
+    _evict(segment)  # the backward gathers every unit itself, the last one too
+    args, kwargs = _sample_call(segment)
+    inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    for x in inputs:
+        x.grad = None
+    torch.autograd.backward(outputs, segment.static_grad_outputs)
+    stuck = [u.name for u in segment.units if u.state is not TrainingState.IDLE]
+    if stuck:
+        raise RuntimeError(
+            f"graph_segments: FSDP unit {stuck[0]} of segment {segment.name} did not finish its backward (its "
+            "inputs got no gradient). Graph blocks whose input is the previous block's output."
+        )
+    segment.streams.wait_for_all()
+    return [x.grad if x.requires_grad else None for x in inputs]
+
+
+def _evict(segment: GraphedSegment) -> None:
+    """The units' data is not trusted to be in their slots: each pass gathers it itself."""
+    for unit in segment.units:
+        unit.param_group.evict()
+
+
+def _expose(segments: list[GraphedSegment]) -> None:
+    for segment in segments:
+        for unit in segment.units:
+            unit.grads.expose_sharded()
+
+
+@contextmanager
+def _prefetch_inside(segments: list[GraphedSegment]):
+    """During warm-up and capture each unit prefetches only its neighbour inside its segment."""
+    saved = [(u, u.forward_prefetch, u.backward_prefetch) for s in segments for u in s.units]
+    for segment in segments:
+        units = segment.units
+        for i, unit in enumerate(units):
+            unit.forward_prefetch = units[i + 1:i + 2]
+            unit.backward_prefetch = units[i - 1:i] if i else []
+    try:
+        yield
+    finally:
+        for unit, forward, backward in saved:
+            unit.forward_prefetch, unit.backward_prefetch = forward, backward
+
+
+def _capture(segments: list[GraphedSegment], contexts: list, num_warmup_iters: int, pool) -> None:
+    units = [u for s in segments for u in s.units]
+    for unit in units:
+        unit.grads.pin_sharded()  # (before the snapshot of outside_training_step, which keeps it)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream(segments[0].device)
+    where = f"graph_segments ({len(segments)} segments)"
+    with ExitStack() as stack:
+        for ctx in contexts:
+            stack.enter_context(ctx.outside_training_step())
+            stack.enter_context(ctx.end_of_backward_deferred())
+        stack.enter_context(_prefetch_inside(segments))
+        stack.enter_context(torch.cuda.stream(stream))
+        for segment in segments:
+            segment.static_grad_outputs = None
+        for i in range(num_warmup_iters):
+            with no_host_sync(where, enabled=i > 0):
+                passes = [_run_forward(s) for s in segments]
+                for segment, outputs in zip(segments, passes):
+                    if segment.static_grad_outputs is None:
+                        segment.static_grad_outputs = [torch.zeros_like(o) for o in outputs]
+                if i == 0:
+                    for unit in units:
+                        unit.grads.clear()  # (so the reduce notes which parameters got no gradient)
+                else:
+                    _expose(segments)
+                for segment, outputs in zip(reversed(segments), reversed(passes)):
+                    _run_backward(segment, outputs)
+                del passes
+            if i == 0:
+                _refuse_unused(units)
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        _expose(segments)  # the graph records the accumulating path (see graphed_segment.py)
+        captured = []
+        for segment in segments:
+            segment.fwd_graph, outputs = capture_whole(
+                f"graph_segments: forward of segment {segment.name}", lambda s=segment: _run_forward(s), contexts,
+                stream, pool)
+            captured.append(outputs)
+            segment.claims_forward = _claims(segment.units)
+        for segment, outputs in zip(reversed(segments), reversed(captured)):
+            segment.bwd_graph, segment.static_grad_inputs = capture_whole(
+                f"graph_segments: backward of segment {segment.name}", lambda s=segment, o=outputs: _run_backward(s, o),
+                contexts, stream, pool)
+            segment.static_outputs = [o.detach() for o in outputs]
+            segment.claims_backward = _claims(list(reversed(segment.units)))
+        del captured
+    torch.cuda.current_stream().wait_stream(stream)
+    for segment in segments:
+        segment.trainable = [[p.master.requires_grad for p in u.params] for u in segment.units]
+        segment.divide_factors = [u.grads.divide_factor for u in segment.units]
+        segment.finish_capture()
+
+
+def _claims(units: list[FSDPUnit]) -> list[tuple]:
+    """(slot, unit) for each slot, the last of ``units`` to use it."""
+    last = {}
+    for unit in units:
+        buffers = unit.param_group.buffers  # (a dedicated buffer is its unit's anyway: a no-op claim)
+        if buffers is not None:
+            last[id(buffers)] = (buffers, unit)
+    return list(last.values())
+
+
+def _refuse_unused(units: list[FSDPUnit]) -> None:
+    for unit in units:
+        pending = unit.grads.use.pending
+        if pending:
+            names = ", ".join(unit.params[i].name for i in pending)
+            raise ValueError(
+                f"graph_segments: parameter(s) {names} of FSDP unit {unit.name} got no gradient in the warm-up. "
+                "A segment's backward graph reduces every parameter and would give them zeros, where eager training "
+                "leaves .grad None. Graph these blocks with graph_modules (per layer), or leave the unused "
+                "parameters out of the model."
+            )
+
+
+def _install(segment: GraphedSegment) -> None:
+    for position, (module, unit) in enumerate(zip(segment.modules, segment.units)):
+        for attr in _FORWARD_HOOK_DICTS:  # (only FSDP's, checked before the capture)
+            getattr(module, attr).clear()
+        unit.param_group.evict()
+        unit.segmented = True
+        module.__dict__[SEGMENT_MARK] = segment
+        module.forward = _SegmentRunner(segment, position)
+        pin_addresses(module, "graph_segments")
+        seal_submodule_hooks(module, f"block {position} of segment {segment.name}")

@@ -1,0 +1,184 @@
+"""GPU: segment graphs (k FSDP blocks per graph, their FSDP steps inside) train bitwise as eager.
+
+The sharded GPT in bf16 (fp32 reduce) trains eagerly and with ``GraphConfig(strategy="layer",
+segment_size=k)`` for k = 2 and 3 (4 blocks: two segments of two; one of three and one of one),
+with clipping and the capturable AdamW step: every loss and the final weights equal bit for bit.
+A hand-written loop with ``graph_segments`` (``zero_grad(set_to_none=False)``, so the graphs add
+into gradients that are kept) and an HF Llama (keyword arguments shared by its decoder layers) do
+the same. Evaluation with gradients off runs the blocks' FSDP steps by hand and equals eager's.
+Then the refusals a user can meet at replay, each naming the fix. Runs on two GPUs (NCCL) where
+there are two, else on one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fsdp_graph
+from fsdp_graph import GraphConfig, hf
+from fsdp_graph.fsdp.registry import units_in
+
+from dist_harness import run_ranks
+from test_graph_parity_gpu import CFG, _batch, _build
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+STEPS, WARMUP = 12, 2
+
+
+def _ranks() -> int:
+    return min(2, torch.cuda.device_count())
+
+
+def _train_step(info, segment_size: int | None):
+    model = _build(info, oversized_block=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
+    config = GraphConfig() if segment_size is None else GraphConfig(
+        strategy="layer", segment_size=segment_size, num_warmup_iters=WARMUP)
+    step = fsdp_graph.make_train_step(lambda idx, targets: model(idx, targets)[1], model, opt, config=config,
+                                      max_grad_norm=1.0, example_batch=_batch(0, info))
+    losses = torch.stack([step(*_batch(i, info)) for i in range(STEPS)])
+    if segment_size is not None:
+        segments = {id(b.forward.segment): b.forward.segment for b in model.blocks}.values()
+        assert len(segments) == -(-CFG.n_layers // segment_size)
+        assert all(s.replays == STEPS for s in segments), [s.replays for s in segments]  # no silent eager
+    model.eval()
+    with torch.no_grad():
+        logits = model(_batch(STEPS, info)[0])
+    return losses, fsdp_graph.full_state_dict(model), logits
+
+
+def _compare(what: str, got, eager) -> None:
+    assert torch.equal(got[0], eager[0]), f"{what}: losses {got[0].tolist()} vs eager {eager[0].tolist()}"
+    assert eager[0][-1] < eager[0][0] - 0.1, f"the model should be learning: {eager[0].tolist()}"
+    for key, value in eager[1].items():
+        assert torch.equal(got[1][key], value), f"{what}: {key} differs from eager"
+    if len(got) > 2:
+        assert torch.equal(got[2], eager[2]), f"{what}: evaluation (gradients off) differs from eager"
+
+
+def _segments_match_eager(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    eager = _train_step(info, None)
+    for k in (2, 3):
+        _compare(f"segment_size={k}", _train_step(info, k), eager)
+
+
+def test_segment_graphs_train_bitwise_as_eager():
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_segments_match_eager, _ranks())
+
+
+def _hand_loop(info, segmented: bool):
+    """A user's loop: graph_segments, backward, step, zero_grad(set_to_none=False)."""
+    model = _build(info, oversized_block=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if segmented:
+        sample = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16, requires_grad=True)
+        fsdp_graph.graph_segments(list(model.blocks), [(sample,)] * CFG.n_layers, segment_size=2,
+                                  num_warmup_iters=WARMUP)
+    losses = []
+    for i in range(STEPS):
+        loss = model(*_batch(i, info))[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        losses.append(loss.detach())
+    return torch.stack(losses), fsdp_graph.full_state_dict(model)
+
+
+def _hand_loop_matches_eager(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    _compare("graph_segments in a hand-written loop", _hand_loop(info, True), _hand_loop(info, False))
+
+
+def test_graph_segments_in_a_hand_written_loop_keeps_gradients_as_eager():
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_hand_loop_matches_eager, _ranks())
+
+
+def _hf_train(info, segment_size: int | None):
+    from examples.hf_models import build_hf, hf_batch
+
+    model = build_hf("llama", "tiny", device=info.device)
+    model.config.use_cache = False
+    policy = fsdp_graph.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    hf.shard_model(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
+    layers = hf.decoder_layers(model)
+    config = GraphConfig() if segment_size is None else GraphConfig(
+        strategy="layer", modules=type(layers[0]), segment_size=segment_size, num_warmup_iters=WARMUP)
+    vocab = model.config.vocab_size
+
+    def batch(step):
+        return hf_batch(vocab, 4 * info.world_size, 64, step).chunk(info.world_size)[info.rank].to(info.device)
+
+    step = fsdp_graph.make_train_step(lambda ids: model(input_ids=ids, labels=ids).loss, model, opt, config=config,
+                                      max_grad_norm=1.0, example_batch=(batch(0),))
+    losses = torch.stack([step(batch(s)).detach().clone() for s in range(STEPS)])
+    if segment_size is not None:
+        assert all(layer.forward.segment.replays == STEPS for layer in layers)
+    return losses, fsdp_graph.full_state_dict(model)
+
+
+def _hf_matches_eager(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    _compare("HF Llama, segment_size=2", _hf_train(info, 2), _hf_train(info, None))
+
+
+def test_an_hf_model_trains_bitwise_as_eager_under_segment_graphs():
+    pytest.importorskip("transformers")
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_hf_matches_eager, _ranks())
+
+
+def _segmented(info, model=None):
+    model = model or _build(info, oversized_block=False)
+    sample = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16, requires_grad=True)
+    fsdp_graph.graph_segments(list(model.blocks), [(sample,)] * CFG.n_layers, segment_size=2, num_warmup_iters=1)
+    return model
+
+
+def _refusals(info) -> None:
+    idx, targets = _batch(0, info)
+    # Code between the blocks of a segment that changes the hidden state.
+    model = _segmented(info)
+    x = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="another input than the output of the block before it"):
+        model.blocks[1](model.blocks[0](x) * 2.0)
+    # no_sync: the backward graph reduce-scatters at every backward.
+    model = _segmented(info)
+    with model.no_sync():
+        loss = model(idx, targets)[1]
+        with pytest.raises(RuntimeError, match="accumulates without synchronising"):
+            loss.backward()
+    # A .grad replaced by another tensor (the graph adds into the pinned buffer).
+    model = _segmented(info)
+    model(idx, targets)[1].backward()
+    master = units_in(model.blocks[0])[0].params[0].master
+    master.grad = master.grad.clone()
+    with pytest.raises(RuntimeError, match="was replaced by another tensor"):
+        model(idx, targets)[1].backward()
+    # Accumulation in a step: refused before any capture, naming the alternatives.
+    model = _build(info, oversized_block=False)
+    stacked = (torch.stack([idx, idx]), torch.stack([targets, targets]))
+    with pytest.raises(ValueError, match="grad_accum_steps=2"):
+        fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, None, grad_accum_steps=2,
+                                   config=GraphConfig(strategy="layer", segment_size=2), example_batch=stacked)
+    # A parameter that gets no gradient: the graph would give it zeros.
+    model = _build(info, oversized_block=False)
+    fc = model.blocks[1].mlp.fc  # its weight read through .detach(): no gradient reaches it
+    fc.forward = lambda x: torch.nn.functional.linear(x, fc.weight.detach(), fc.bias)
+    with pytest.raises(ValueError, match="got no gradient in the warm-up"):
+        _segmented(info, model)
+    # Forward-only graphs of a segment's blocks.
+    model = _segmented(info)
+    with pytest.raises(ValueError, match="block of a segment graph"):
+        sample = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device)
+        fsdp_graph.graph_modules(list(model.blocks), [(sample,)] * CFG.n_layers, forward_only=True)
+
+
+def test_segment_refusals_name_the_fix():
+    run_ranks(_refusals, 1)
