@@ -53,9 +53,11 @@ def test_blocks_with_hooks_of_their_own_or_kept_parameters_are_refused():
         fsdp_graph.graph_segments(list(model.blocks), _samples(model), segment_size=3)
 
 
-def test_on_cpu_a_valid_request_says_that_graphs_need_cuda():
+def test_a_valid_request_on_cpu_says_that_graphs_need_cuda():
     model = shard(TinyLM())
-    with pytest.raises(RuntimeError, match="graph_segments needs a CUDA device"):
+    refusal = (ValueError, "is on the CPU; CUDA graphs need the model on a GPU") if torch.cuda.is_available() else (
+        RuntimeError, "graph_segments needs a CUDA device")
+    with pytest.raises(refusal[0], match=refusal[1]):
         fsdp_graph.graph_segments(list(model.blocks), _samples(model), segment_size=2)
     assert all("forward" not in block.__dict__ for block in model.blocks)  # nothing installed
     assert all(len(block._forward_pre_hooks) for block in model.blocks)  # FSDP's hooks still on

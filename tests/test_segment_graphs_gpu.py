@@ -3,9 +3,10 @@
 The sharded GPT in bf16 (fp32 reduce) trains eagerly and with ``GraphConfig(strategy="layer",
 segment_size=k)`` for k = 2 and 3 (4 blocks: two segments of two; one of three and one of one),
 with clipping and the capturable AdamW step: every loss and the final weights equal bit for bit.
-A hand-written loop with ``graph_segments`` (``zero_grad(set_to_none=False)``, so the graphs add
-into gradients that are kept) and an HF Llama (keyword arguments shared by its decoder layers) do
-the same. Evaluation with gradients off runs the blocks' FSDP steps by hand and equals eager's.
+So do a block too wide for the slots, a hand-written loop that calls ``graph_segments`` after three
+eager steps (``zero_grad(set_to_none=False)``, so the graphs add into gradients that are kept) and
+an HF Llama (keyword arguments shared by its decoder layers).
+Evaluation with gradients off runs the blocks' FSDP steps by hand and equals eager's.
 Then the refusals a user can meet at replay, each naming the fix. Runs on two GPUs (NCCL) where
 there are two, else on one.
 """
@@ -32,8 +33,8 @@ def _ranks() -> int:
     return min(2, torch.cuda.device_count())
 
 
-def _train_step(info, segment_size: int | None):
-    model = _build(info, oversized_block=False)
+def _train_step(info, segment_size: int | None, oversized_block: bool = False):
+    model = _build(info, oversized_block)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
     config = GraphConfig() if segment_size is None else GraphConfig(
         strategy="layer", segment_size=segment_size, num_warmup_iters=WARMUP)
@@ -64,6 +65,8 @@ def _segments_match_eager(info) -> None:
     eager = _train_step(info, None)
     for k in (2, 3):
         _compare(f"segment_size={k}", _train_step(info, k), eager)
+    # Block 1 is twice as wide: no slot, a buffer of its own, staging of its own inside the graph.
+    _compare("segment_size=2, an oversized block", _train_step(info, 2, True), _train_step(info, None, True))
 
 
 def test_segment_graphs_train_bitwise_as_eager():
@@ -72,15 +75,17 @@ def test_segment_graphs_train_bitwise_as_eager():
 
 
 def _hand_loop(info, segmented: bool):
-    """A user's loop: graph_segments, backward, step, zero_grad(set_to_none=False)."""
+    """A user's loop: backward, step, zero_grad(set_to_none=False); graph_segments after 3 eager steps
+    (the prefetch order is recorded by then, and the sharded gradients hold values)."""
     model = _build(info, oversized_block=False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    if segmented:
-        sample = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16, requires_grad=True)
-        fsdp_graph.graph_segments(list(model.blocks), [(sample,)] * CFG.n_layers, segment_size=2,
-                                  num_warmup_iters=WARMUP)
     losses = []
     for i in range(STEPS):
+        if segmented and i == 3:
+            sample = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16,
+                                 requires_grad=True)
+            fsdp_graph.graph_segments(list(model.blocks), [(sample,)] * CFG.n_layers, segment_size=2,
+                                      num_warmup_iters=WARMUP)
         loss = model(*_batch(i, info))[1]
         loss.backward()
         opt.step()

@@ -1,8 +1,9 @@
 """GPU, two devices on NCCL: stream ordering holds with every cross-stream window widened.
 
 The sharded bf16 GPT (one block twice as wide, so that its unit falls back to a dedicated
-persistent buffer; neighbour prefetch on) trains a few steps eagerly, with per-block graphs, and
-as a whole-step graph (optimizer inside with accumulation and clipping, and optimizer outside).
+persistent buffer; neighbour prefetch on) trains a few steps eagerly, with per-block graphs, with
+segment graphs of two blocks (their FSDP steps, and so the delays, inside), and as a whole-step
+graph (optimizer inside with accumulation and clipping, and optimizer outside).
 Then it trains again with ``torch.cuda._sleep`` queued at every hook boundary on the compute
 stream, then on the all-gather stream, then on the reduce stream (``stream_delays.py``), also
 inside the capture. A missing dependency between the streams would let a reader see a buffer
@@ -29,20 +30,21 @@ from test_graph_parity_gpu import _build
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 STEPS, WARMUP = 6, 2
-CASES = {  # strategy, micro-batches per step, max_grad_norm, optimizer inside the step
-    "eager_clip": ("none", 1, 1.0, True),
-    "eager_accumulate_clip": ("none", 2, 1.0, True),
-    "layer_graphs_clip": ("layer", 1, 1.0, True),
-    "whole_step_accumulate_clip": ("full_iteration", 2, 1.0, True),
-    "whole_step_optimizer_outside": ("full_iteration", 1, None, False),
+CASES = {  # strategy, micro-batches per step, max_grad_norm, optimizer inside the step, segment_size
+    "eager_clip": ("none", 1, 1.0, True, 1),
+    "eager_accumulate_clip": ("none", 2, 1.0, True, 1),
+    "layer_graphs_clip": ("layer", 1, 1.0, True, 1),
+    "segment_graphs_clip": ("layer", 1, 1.0, True, 2),  # two blocks per graph, their FSDP steps inside
+    "whole_step_accumulate_clip": ("full_iteration", 2, 1.0, True, 1),
+    "whole_step_optimizer_outside": ("full_iteration", 1, None, False, 1),
 }
 
 
 def _train(info, case: str, delays: str | None):
-    strategy, accum, max_grad_norm, optimizer_in_step = CASES[case]
+    strategy, accum, max_grad_norm, optimizer_in_step, segment_size = CASES[case]
     model = _build(info, oversized_block=True)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
-    config = GraphConfig(strategy=strategy, num_warmup_iters=WARMUP,
+    config = GraphConfig(strategy=strategy, num_warmup_iters=WARMUP, segment_size=segment_size,
                          modules=list(model.blocks) if strategy == "layer" else None)
     losses = []
     with inject(delays):

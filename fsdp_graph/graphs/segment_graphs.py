@@ -173,6 +173,9 @@ def graph_segments(
         raise ValueError("graph_segments: the modules belong to different FSDP roots; graph each model's blocks "
                          "in a call of its own")
     require_cuda("graph_segments")
+    on_cpu = [u.name for u in units if u.device.type != "cuda"]
+    if on_cpu:
+        raise ValueError(f"graph_segments: FSDP unit {on_cpu[0]} is on the CPU; CUDA graphs need the model on a GPU")
     default = replay_target(replay_stream, None, "graph_segments")
     group = CaptureGroup()
     segments = []
@@ -276,6 +279,22 @@ def _prefetch_inside(segments: list[GraphedSegment]):
             unit.forward_prefetch, unit.backward_prefetch = forward, backward
 
 
+@contextmanager
+def _fresh_unsharded(units: list[FSDPUnit]):
+    """During warm-up and capture the units compute with new unsharded parameter objects on the same
+    memory (the graphs read the same addresses): the originals' AccumulateGrad nodes may be alive,
+    bound to the stream of the eager steps (a loss the user still holds), and a capture that
+    accumulates through them would have to wait on that stream, which breaks it."""
+    saved = [(p, p.unsharded) for u in units for p in u.params if p.unsharded is not None]
+    for param, original in saved:
+        param.unsharded = nn.Parameter(original.detach(), requires_grad=original.requires_grad)
+    try:
+        yield
+    finally:
+        for param, original in saved:
+            param.unsharded = original
+
+
 def _capture(segments: list[GraphedSegment], contexts: list, num_warmup_iters: int, pool) -> None:
     units = [u for s in segments for u in s.units]
     for unit in units:
@@ -288,6 +307,7 @@ def _capture(segments: list[GraphedSegment], contexts: list, num_warmup_iters: i
             stack.enter_context(ctx.outside_training_step())
             stack.enter_context(ctx.end_of_backward_deferred())
         stack.enter_context(_prefetch_inside(segments))
+        stack.enter_context(_fresh_unsharded(units))
         stack.enter_context(torch.cuda.stream(stream))
         for segment in segments:
             segment.static_grad_outputs = None
