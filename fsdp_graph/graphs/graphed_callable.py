@@ -209,18 +209,25 @@ class GraphedCallable:
             )
 
     def _start_backward(self, node) -> None:
-        if self._pending is None or self._pending() is not node:
-            raise RuntimeError(
-                f"graphed {self.name}: backward without a matching forward (backward run twice for one "
-                "forward, e.g. retain_graph=True). A graphed forward supports exactly one backward."
-            )
-        if any(o._version != v for o, v in zip(self.static_outputs, self._output_versions)):
-            raise RuntimeError(
-                f"graphed {self.name}: an output was modified in place after the forward; the backward graph "
-                "may read it (as eager autograd would refuse). Clone the output before modifying it."
-            )
-        self.group.check_backward_order(self)
-        self._pending = None
+        start_backward(self, node, f"graphed {self.name}")
+
+
+def start_backward(runner, node, what: str) -> None:
+    """The checks before a backward replay of ``runner`` (a graphed callable or a segment): it is the
+    backward of the last forward, whose outputs were not modified since, and no graph captured
+    after it into the same pool awaits its own backward."""
+    if runner._pending is None or runner._pending() is not node:
+        raise RuntimeError(
+            f"{what}: backward without a matching forward (backward run twice for one forward, e.g. "
+            "retain_graph=True). A graphed forward supports exactly one backward."
+        )
+    if any(o._version != v for o, v in zip(runner.static_outputs, runner._output_versions)):
+        raise RuntimeError(
+            f"{what}: an output was modified in place after the forward; the backward graph may read it (as "
+            "eager autograd would refuse). Clone the output before modifying it."
+        )
+    runner.group.check_backward_order(runner)
+    runner._pending = None
 
 
 def autocast_state() -> tuple:

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..fsdp.capture_interface import FSDPUnit, run_as_forward
 from .frozen_arguments import changed_since_capture, same
-from .graphed_callable import CaptureGroup, autocast_state, describe_signature
+from .graphed_callable import CaptureGroup, autocast_state, describe_signature, start_backward
 from .replay_stream import launch, whole_target
 
 NO_SYNC_FIX = "graph these blocks with segment_size=1 (GraphConfig(strategy='layer')), whose reduce runs eagerly"
@@ -188,20 +188,6 @@ class GraphedSegment:
                     owner.evict()
                 buffers.param_owner = unit.param_group
 
-    def start_backward(self, node) -> None:
-        if self._pending is None or self._pending() is not node:
-            raise RuntimeError(
-                f"segment {self.name}: backward without a matching forward (backward run twice for one forward, "
-                "e.g. retain_graph=True). A segment's forward supports exactly one backward."
-            )
-        if any(o._version != v for o, v in zip(self.static_outputs, self._output_versions)):
-            raise RuntimeError(
-                f"segment {self.name}: a block's output was modified in place after the forward; the backward graph "
-                "may read it (as eager autograd would refuse). Clone the output before modifying it."
-            )
-        self.group.check_backward_order(self)
-        self._pending = None
-
     def backward_pending(self) -> bool:
         return self._pending is not None and self._pending() is not None
 
@@ -285,7 +271,7 @@ class _SegmentReplay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         segment: GraphedSegment = ctx.segment
-        segment.start_backward(ctx)
+        start_backward(segment, ctx, f"segment {segment.name}")
         segment.prepare_gradients()
         segment.streams.wait_for_all()
         segment.copy_grad_outputs(grads)
