@@ -26,6 +26,8 @@ def test_segment_size_is_checked_and_belongs_to_layer_graphs():
             validate_graph_config(GraphConfig(strategy="layer", segment_size=size), model)
     with pytest.raises(ValueError, match="segment_size=2 groups the blocks of strategy='layer'.*Use strategy='layer'"):
         validate_graph_config(GraphConfig(strategy="full_iteration", segment_size=2), model)
+    with pytest.raises(ValueError, match="collective_graphs=False with segment_size=2.*Drop collective_graphs"):
+        validate_graph_config(GraphConfig(strategy="layer", collective_graphs=False, segment_size=2), model)
     with pytest.raises(ValueError, match="forward_only='layer'.*Use forward_only='model'.*or 'none'"):
         validate_graph_config(GraphConfig(strategy="layer", forward_only="layer", segment_size=2), model)
 
@@ -40,6 +42,18 @@ def test_modules_that_are_not_fsdp_units_of_their_own_are_refused():
         fsdp_graph.graph_segments([model.blocks[0]] * 2, _samples(model)[:2], segment_size=2)
     with pytest.raises(ValueError, match="3 modules, 1 sample_args"):
         fsdp_graph.graph_segments(list(model.blocks), _samples(model)[:1], segment_size=2)
+    samples = _samples(model)
+    samples[1] = (torch.zeros(2, 8, 10, requires_grad=True), torch.zeros(2, 8))  # called otherwise than the first
+    with pytest.raises(ValueError, match=r"block 1 of segment modules 0..1 is called with other arguments.*modules="):
+        fsdp_graph.graph_segments(list(model.blocks), samples, segment_size=2)
+
+
+def test_a_block_reading_a_parameter_of_another_unit_is_refused():
+    model = TinyLM()
+    model.blocks[1].ln.weight = model.blocks[0].ln.weight  # tied across two blocks
+    shard(model)
+    with pytest.raises(ValueError, match=r"module 0 reads parameter 'ln.weight'.*Untie it"):
+        fsdp_graph.graph_segments(list(model.blocks), _samples(model), segment_size=3)
 
 
 def test_blocks_with_hooks_of_their_own_or_kept_parameters_are_refused():

@@ -74,9 +74,10 @@ def test_segment_graphs_train_bitwise_as_eager():
     run_ranks(_segments_match_eager, _ranks())
 
 
-def _hand_loop(info, segmented: bool):
+def _hand_loop(info, segmented: bool, blocks: slice = slice(None)):
     """A user's loop: backward, step, zero_grad(set_to_none=False); graph_segments after 3 eager steps
-    (the prefetch order is recorded by then, and the sharded gradients hold values)."""
+    (the prefetch order is recorded by then, and the sharded gradients hold values). ``blocks``: the
+    blocks segmented, two per graph; the others stay eager, sharing the two slots with them."""
     model = _build(info, oversized_block=False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -84,8 +85,8 @@ def _hand_loop(info, segmented: bool):
         if segmented and i == 3:
             sample = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16,
                                  requires_grad=True)
-            fsdp_graph.graph_segments(list(model.blocks), [(sample,)] * CFG.n_layers, segment_size=2,
-                                      num_warmup_iters=WARMUP)
+            chosen = list(model.blocks)[blocks]
+            fsdp_graph.graph_segments(chosen, [(sample,)] * len(chosen), segment_size=2, num_warmup_iters=WARMUP)
         loss = model(*_batch(i, info))[1]
         loss.backward()
         opt.step()
@@ -96,7 +97,11 @@ def _hand_loop(info, segmented: bool):
 
 def _hand_loop_matches_eager(info) -> None:
     torch.use_deterministic_algorithms(True)
-    _compare("graph_segments in a hand-written loop", _hand_loop(info, True), _hand_loop(info, False))
+    eager = _hand_loop(info, False)
+    _compare("graph_segments in a hand-written loop", _hand_loop(info, True), eager)
+    # Blocks 1 and 2 segmented, 0 and 3 eager: the segment overwrites block 0's slot after block 0's
+    # forward, so block 0's backward must gather again (the segment's slot claims tell it to).
+    _compare("blocks 1..2 segmented between eager blocks", _hand_loop(info, True, slice(1, 3)), eager)
 
 
 def test_graph_segments_in_a_hand_written_loop_keeps_gradients_as_eager():
@@ -178,6 +183,17 @@ def _refusals(info) -> None:
     fc.forward = lambda x: torch.nn.functional.linear(x, fc.weight.detach(), fc.bias)
     with pytest.raises(ValueError, match="got no gradient in the warm-up"):
         _segmented(info, model)
+    # A forward that skips a segment's last block: the backward graph would give it zero gradients.
+    model = _segmented(info)
+    x = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16, requires_grad=True)
+    out = model.blocks[0](x)
+    with pytest.raises(RuntimeError, match="stopped before its last block"):
+        out.sum().backward()
+    # A second forward while the first one's backward is pending (its activations are the graph's).
+    kept = model.blocks[1](model.blocks[0](x))
+    with pytest.raises(RuntimeError, match="previous forward's backward is still pending"):
+        model.blocks[0](x)
+    del kept
     # Forward-only graphs of a segment's blocks.
     model = _segmented(info)
     with pytest.raises(ValueError, match="block of a segment graph"):

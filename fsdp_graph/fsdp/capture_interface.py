@@ -48,17 +48,20 @@ from .hooks import (
     pre_forward_unshard,
     run_as_forward,
 )
+from .param_group import ShardState
 from .registry import enclosing_unit, leaf_units, pin_addresses, root_contexts, units_in
 from .root import RootContext
 from .sharded_param import master_owner
 from .training_state import TrainingState
 from .unit import FSDPUnit
+from .unused_params import unused_on_every_rank
 
 __all__ = [
     "BACKWARD_PRE_SENTINEL",
     "BACKWARD_SENTINEL",
     "FSDPUnit",
     "RootContext",
+    "ShardState",
     "TrainingState",
     "enclosing_unit",
     "leaf_units",
@@ -76,6 +79,7 @@ __all__ = [
     "run_as_forward",
     "unit_hooks",
     "units_in",
+    "unused_on_every_rank",
     "wait_for_replay_tails",
 ]
 

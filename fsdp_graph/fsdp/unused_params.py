@@ -77,6 +77,32 @@ def settle_unused(units: Sequence) -> None:
             _exchange(members, group, replicate)
 
 
+def unused_on_every_rank(units: Sequence) -> list[set[int]]:
+    """For every unit (``UnitGradients``) whose reduce ran: its candidates (``use.pending``) that no
+    rank gave a gradient, found as ``settle_unused`` finds them but without applying anything (a
+    graph about to be captured asks whether it would have to give such parameters zeros)."""
+    result = [set(u.use.pending or ()) for u in units]
+    by_group: dict[tuple, list[int]] = {}
+    for index, unit in enumerate(units):
+        by_group.setdefault((_several(unit.group), _several(unit.replicate_group)), []).append(index)
+    for (group, replicate), members in by_group.items():
+        if group is None and replicate is None:
+            continue
+        flags = [0 if i in result[m] else 1 for m in members for i in units[m].trainable]
+        used = torch.tensor(flags, dtype=torch.int32, device=units[members[0]].device)
+        with _engine_sync(used.device):
+            all_reduce(used, group)
+            all_reduce(used, replicate)
+            counts = used.tolist()
+        position = 0
+        for m in members:
+            for i in units[m].trainable:
+                if counts[position]:
+                    result[m].discard(i)
+                position += 1
+    return result
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from ..fsdp.capture_interface import FSDPUnit, run_as_forward
+from ..fsdp.capture_interface import FSDPUnit, ShardState, run_as_forward
 from .frozen_arguments import changed_since_capture, same
 from .graphed_callable import CaptureGroup, autocast_state, describe_signature, start_backward
 from .replay_stream import launch, whole_target
@@ -76,6 +76,7 @@ class GraphedSegment:
         self._outputs: tuple | None = None  # this forward's outputs, until the last block has had its own
         self._rest: tuple | None = None  # the first block's arguments after the first
         self._output_versions: list[int] = []
+        self._complete = False  # every block of this forward's segment was called (its backward covers them all)
         self._grad_zero = [False] * 0  # per static gradient output: known to hold zeros
 
     def finish_capture(self) -> None:
@@ -93,12 +94,14 @@ class GraphedSegment:
         if position == 0:
             return self._forward(args, kwargs)
         outputs = self._outputs
-        if outputs is None or not args or args[0] is not outputs[position - 1]:
+        if (outputs is None or not args or args[0] is not outputs[position - 1]
+                or args[0]._version != self._output_versions[position - 1]):
             raise RuntimeError(
                 f"{self._block(position)} was called with another input than the output of the block before it in "
-                f"its segment ({self.name}), which the segment's graph computed it from. The blocks of a segment "
-                "must run one after the other, each on the previous one's output (x = block(x)). Change the code "
-                "between them, or graph these blocks with a smaller segment_size (1: each block on its own)."
+                f"its segment ({self.name}), or with that output changed in place, while the segment's graph "
+                "computed it from that output as it was. The blocks of a segment must run one after the other, "
+                "each on the previous one's output (x = block(x)). Change the code between them, or graph these "
+                "blocks with a smaller segment_size (1: each block on its own)."
             )
         rest_args, rest_kwargs = self._rest
         if len(args) - 1 != len(rest_args) or kwargs.keys() != rest_kwargs.keys() or not all(
@@ -113,6 +116,7 @@ class GraphedSegment:
         output = outputs[position]
         if position == len(self.modules) - 1:
             self._outputs = self._rest = None  # (held until every block has had its output)
+            self._complete = True
         return output
 
     def _block(self, position: int) -> str:
@@ -143,6 +147,7 @@ class GraphedSegment:
         outputs = _SegmentReplay.apply(self, target, *tensors)
         self._outputs = outputs
         self._rest = (args[1:], kwargs)
+        self._complete = len(self.modules) == 1
         return outputs[0]
 
     def _live_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -157,8 +162,15 @@ class GraphedSegment:
                 raise ValueError(changed_since_capture(f"segment {self.name}", self.input_names[i], flat[i], frozen))
         tensors = [flat[i] for i in self._tensor_positions]
         for i, (live, static) in enumerate(zip(tensors, self.static_inputs)):
+            if isinstance(live, torch.Tensor) and live.requires_grad != static.requires_grad:
+                raise ValueError(
+                    f"segment {self.name}: input {self.input_names[self._tensor_positions[i]]} has requires_grad="
+                    f"{live.requires_grad}, but was captured with requires_grad={static.requires_grad}: the graph "
+                    "computes the gradients the sample called for. Call it as sampled (x.requires_grad_() on a "
+                    "hidden state from frozen embeddings), or graph the blocks again with such a sample."
+                )
             if not (isinstance(live, torch.Tensor) and live.shape == static.shape and live.dtype == static.dtype
-                    and live.device == static.device and live.requires_grad == static.requires_grad):
+                    and live.device == static.device):
                 got = (f"shape {tuple(live.shape)}, {live.dtype}, requires_grad={live.requires_grad}"
                        if isinstance(live, torch.Tensor) else type(live).__name__)
                 raise ValueError(
@@ -174,8 +186,8 @@ class GraphedSegment:
             if any(p.master.requires_grad is not flag for p, flag in zip(unit.params, flags)):
                 raise RuntimeError(
                     f"segment {self.name}: which parameters of FSDP unit {unit.name} require a gradient changed "
-                    "since the capture, which fixed the gradients the graph computes and reduces. Graph the "
-                    "blocks again after freezing or unfreezing parameters."
+                    "since the capture, which fixed the gradients the graph computes and reduces. Freeze or "
+                    "unfreeze parameters before graphing: build the model and the step again after the change."
                 )
 
     # -- around the replays ----------------------------------------------------------------
@@ -185,6 +197,12 @@ class GraphedSegment:
             owner = buffers.param_owner
             if owner is not unit.param_group:
                 if owner is not None:
+                    if owner.state is ShardState.UNSHARDED:
+                        raise RuntimeError(
+                            f"segment {self.name}: FSDP unit {owner.name} holds its parameters unsharded (module."
+                            "unshard()) in a slot the segment's graph has just written. Call its reshard() before "
+                            "running the segment's blocks."
+                        )
                     owner.evict()
                 buffers.param_owner = unit.param_group
 
@@ -272,6 +290,13 @@ class _SegmentReplay(torch.autograd.Function):
     def backward(ctx, *grads):
         segment: GraphedSegment = ctx.segment
         start_backward(segment, ctx, f"segment {segment.name}")
+        if not segment._complete:
+            raise RuntimeError(
+                f"segment {segment.name}: its forward stopped before its last block (a block skipped, called with "
+                "gradients off or in the other mode), but its backward graph runs every block's backward and would "
+                "give the skipped blocks' parameters zero gradients where eager leaves them None. Run every block "
+                "of a segment, or graph blocks that may be skipped with segment_size=1."
+            )
         segment.prepare_gradients()
         segment.streams.wait_for_all()
         segment.copy_grad_outputs(grads)

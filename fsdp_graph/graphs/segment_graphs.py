@@ -35,14 +35,17 @@ from ..fsdp.capture_interface import (
     FSDPUnit,
     TrainingState,
     enclosing_unit,
+    master_owner,
     pin_addresses,
     require_fixed_addresses,
     root_contexts,
     unit_hooks,
     units_in,
+    unused_on_every_rank,
 )
 from .activation_offload import refuse_offloaded
 from .capture import argument_names, require_cuda, static_copy
+from .frozen_arguments import same
 from .graphed_callable import CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .graphed_segment import GraphedSegment
 from .host_sync import no_host_sync
@@ -61,11 +64,11 @@ def in_segment(module: nn.Module) -> bool:
 
 def refuse_segmented(modules: Sequence[nn.Module], names: Sequence[str], what: str) -> None:
     for module, name in zip(modules, names):
-        inside = [sub for sub in module.modules() if in_segment(sub)]
-        if inside:
+        unit = enclosing_unit(module)
+        if any(in_segment(sub) for sub in module.modules()) or (unit is not None and unit.segmented):
             raise ValueError(
-                f"{what}: {name} is, or contains, a block of a segment graph (graph_segments), whose FSDP steps "
-                "run inside the segment's graphs. Graph it with one kind of graph only: evaluate these blocks "
+                f"{what}: {name} is, contains or is inside a block of a segment graph (graph_segments), whose FSDP "
+                "steps run inside the segment's graphs. Graph it with one kind of graph only: evaluate these blocks "
                 "eagerly (they run their FSDP steps by hand with gradients off) or graph the whole forward "
                 "(GraphConfig(forward_only='model'))."
             )
@@ -107,8 +110,15 @@ def _unit_of_block(module: nn.Module, name: str) -> FSDPUnit:
             f"graph_segments: FSDP unit {unit.name} keeps its parameters gathered after backward "
             "(set_reshard_after_backward(False)), which a segment graph does not replay. Leave it at True."
         )
-    if isinstance(module.__dict__.get("forward"), (GraphedCallable, _SegmentRunner)):
-        raise ValueError(f"graph_segments: {name} is already graphed; graph each block once")
+    if any(isinstance(sub.__dict__.get("forward"), (GraphedCallable, _SegmentRunner)) for sub in module.modules()):
+        raise ValueError(f"graph_segments: {name} is, or contains, a graphed module; graph each block once, one way")
+    foreign = [n for n, p in module.named_parameters() if master_owner(p) is not unit]
+    if foreign:
+        raise ValueError(
+            f"graph_segments: {name} reads parameter '{foreign[0]}', which its FSDP unit {unit.name} does not own "
+            "(tied to another unit, or not sharded): the segment would compute with it without gathering it, and "
+            "its gradient would be lost. Untie it, or graph this block with graph_modules."
+        )
     foreign = [f"{attr}: {getattr(fn, '__name__', fn)!r}" for attr in ("_forward_pre_hooks", "_forward_hooks")
                for fn in getattr(module, attr).values() if fn not in unit_hooks]
     foreign += [attr for attr in ("_backward_pre_hooks", "_backward_hooks") if getattr(module, attr)]
@@ -172,6 +182,12 @@ def graph_segments(
     if len(contexts) != 1:
         raise ValueError("graph_segments: the modules belong to different FSDP roots; graph each model's blocks "
                          "in a call of its own")
+    ranges = [(start, min(start + segment_size, len(modules))) for start in range(0, len(modules), segment_size)]
+    segment_names = [f"modules {start}..{end - 1}" if end - start > 1 else f"module {start}" for start, end in ranges]
+    for (start, end), name in zip(ranges, segment_names):
+        first = (tuple(sample_args[start]), dict(kwargs_list[start] or {}))
+        for i in range(start + 1, end):
+            _same_call(name, first, (tuple(sample_args[i]), dict(kwargs_list[i] or {})), i - start)
     require_cuda("graph_segments")
     on_cpu = [u.name for u in units if u.device.type != "cuda"]
     if on_cpu:
@@ -179,13 +195,10 @@ def graph_segments(
     default = replay_target(replay_stream, None, "graph_segments")
     group = CaptureGroup()
     segments = []
-    for start in range(0, len(modules), segment_size):
-        end = min(start + segment_size, len(modules))
-        name = f"modules {start}..{end - 1}" if end - start > 1 else f"module {start}"
+    for (start, end), name in zip(ranges, segment_names):
         segment = GraphedSegment(name, modules[start:end], units[start:end], group)
         segment.replay_default = default
-        args, kwargs = tuple(sample_args[start]), dict(kwargs_list[start] or {})
-        _set_sample(segment, args, kwargs)
+        _set_sample(segment, tuple(sample_args[start]), dict(kwargs_list[start] or {}))
         segments.append(segment)
     _capture(segments, contexts, num_warmup_iters, pool)
     for segment in segments:
@@ -197,8 +210,9 @@ def _set_sample(segment: GraphedSegment, args: tuple, kwargs: dict) -> None:
     if not args or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad:
         raise ValueError(
             f"graph_segments: segment {segment.name}'s sample must pass the hidden state as the first positional "
-            "argument, a tensor that requires grad (as the embeddings' output does): the segment's backward "
-            "hands its gradient back, and each later block receives the previous block's output there."
+            "argument, a tensor that requires grad: the segment's backward hands its gradient back, and each later "
+            "block receives the previous block's output there. Record the sample from a real forward (make_train_step "
+            "does), call x.requires_grad_() on a hidden state from frozen embeddings, or use graph_modules."
         )
     leaves, spec = tree_flatten((args, kwargs))
     for name, x in zip(argument_names(args, kwargs), leaves):
@@ -210,6 +224,27 @@ def _set_sample(segment: GraphedSegment, args: tuple, kwargs: dict) -> None:
     segment.input_names, segment.signature = argument_names(args, kwargs), describe_signature(args, kwargs)
     segment.training = segment.modules[0].training
     segment.autocast = autocast_state()
+
+
+def _same_call(segment: str, first: tuple, later: tuple, position: int) -> None:
+    """A later block of a segment is called like the first (the graph gives it the first one's arguments
+    besides its input): the same structure, tensors of the same shape and dtype, equal constants."""
+    (first_args, first_kwargs), (args, kwargs) = first, later
+    flat_first, spec_first = tree_flatten((first_args[1:], first_kwargs))
+    flat, spec = tree_flatten((tuple(args)[1:], kwargs))
+    alike = spec == spec_first and len(args) == len(first_args) and all(
+        (a.shape, a.dtype) == (b.shape, b.dtype) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        else not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and same(a, b)
+        for a, b in zip(flat, flat_first))
+    if alike and args and isinstance(args[0], torch.Tensor) and isinstance(first_args[0], torch.Tensor):
+        alike = (args[0].shape, args[0].dtype) == (first_args[0].shape, first_args[0].dtype)
+    if not alike:
+        raise ValueError(
+            f"graph_segments: block {position} of segment {segment} is called with other arguments than the "
+            "segment's first block (its samples differ), but a segment gives every block the first block's "
+            "arguments besides the hidden state. Segment only blocks that are called alike (one kind of layer), "
+            "e.g. modules=<the decoder layer class>, or graph them with graph_modules."
+        )
 
 
 def _sample_call(segment: GraphedSegment) -> tuple[tuple, dict]:
@@ -292,13 +327,25 @@ def _fresh_unsharded(units: list[FSDPUnit]):
         yield
     finally:
         for param, original in saved:
+            original.requires_grad_(param.unsharded.requires_grad)  # (a change followed during the warm-up)
             param.unsharded = original
 
 
 def _capture(segments: list[GraphedSegment], contexts: list, num_warmup_iters: int, pool) -> None:
     units = [u for s in segments for u in s.units]
+    pinned = [u.grads.sharded.pinned for u in units]
     for unit in units:
         unit.grads.pin_sharded()  # (before the snapshot of outside_training_step, which keeps it)
+    try:
+        _warm_up_and_capture(segments, units, contexts, num_warmup_iters, pool)
+    except BaseException:
+        for unit, was in zip(units, pinned):
+            unit.grads.sharded.pinned = was  # (zero_grad gives the memory back again)
+        raise
+
+
+def _warm_up_and_capture(segments: list[GraphedSegment], units: list[FSDPUnit], contexts: list,
+                         num_warmup_iters: int, pool) -> None:
     torch.cuda.synchronize()
     stream = torch.cuda.Stream(segments[0].device)
     where = f"graph_segments ({len(segments)} segments)"
@@ -361,15 +408,16 @@ def _claims(units: list[FSDPUnit]) -> list[tuple]:
 
 
 def _refuse_unused(units: list[FSDPUnit]) -> None:
-    for unit in units:
-        pending = unit.grads.use.pending
-        if pending:
-            names = ", ".join(unit.params[i].name for i in pending)
+    """After the first warm-up backward (every ``.grad`` None before it): a parameter that no rank gave a
+    gradient would get zeros from the graph, where eager leaves ``.grad`` None. Every rank decides alike."""
+    for unit, unused in zip(units, unused_on_every_rank([u.grads for u in units])):
+        if unused:
+            names = ", ".join(unit.params[i].name for i in sorted(unused))
             raise ValueError(
-                f"graph_segments: parameter(s) {names} of FSDP unit {unit.name} got no gradient in the warm-up. "
-                "A segment's backward graph reduces every parameter and would give them zeros, where eager training "
-                "leaves .grad None. Graph these blocks with graph_modules (per layer), or leave the unused "
-                "parameters out of the model."
+                f"graph_segments: parameter(s) {names} of FSDP unit {unit.name} got no gradient in the warm-up on "
+                "any rank. A segment's backward graph reduces every parameter and would give them zeros, where "
+                "eager training leaves .grad None. Graph these blocks with graph_modules (per layer), or leave the "
+                "unused parameters out of the model."
             )
 
 

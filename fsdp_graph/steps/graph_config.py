@@ -85,6 +85,11 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
             f"GraphConfig: segment_size={size} groups the blocks of strategy='layer' into segment graphs, but the "
             f"strategy is {strategy!r}. Use strategy='layer', or drop segment_size."
         )
+    if size > 1 and config.collective_graphs is not None:
+        raise ValueError(
+            f"GraphConfig: collective_graphs={config.collective_graphs} with segment_size={size}: a segment's FSDP "
+            "steps are inside its graphs already, so there is nothing to choose. Drop collective_graphs."
+        )
     if size > 1 and forward_only == "layer":
         raise ValueError(
             f"GraphConfig: segment_size={size} with forward_only='layer': a segment's blocks run their FSDP steps "
