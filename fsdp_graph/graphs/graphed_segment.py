@@ -77,7 +77,7 @@ class GraphedSegment:
         self._rest: tuple | None = None  # the first block's arguments after the first
         self._output_versions: list[int] = []
         self._complete = False  # every block of this forward's segment was called (its backward covers them all)
-        self._grad_zero = [False] * 0  # per static gradient output: known to hold zeros
+        self._grad_zero: list[bool] = []  # per static gradient output: known to hold zeros (set by finish_capture)
 
     def finish_capture(self) -> None:
         self._tensor_positions = [i for i, x in enumerate(self.input_leaves) if isinstance(x, torch.Tensor)]
