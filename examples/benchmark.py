@@ -24,6 +24,8 @@ mask), fsdp2_eager keeps HF's default (SDPA's is_causal kernels).
                      collective graphs, for comparison in the same run)
   ours_segment_graphs  the same, the blocks graphed --segment-size (3) at a time with their FSDP
                      steps inside: GraphConfig(strategy="layer", segment_size=3)
+  ours_segment_and_optimizer_graphs  the same, the optimizer step replayed as a graph of its own:
+                     GraphConfig(strategy="layer", segment_size=3, optimizer_graph=True)
   ours_full_iteration  the same, the whole step (collectives and a capturable AdamW step
                      included) as one graph: fsdp_graph.make_train_step with
                      GraphConfig(strategy="full_iteration")
@@ -67,12 +69,12 @@ from hot_path import HotPathTimer  # noqa: E402
 from step_profile import kernel_breakdown  # noqa: E402
 
 SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp",
-           "ours_segment_graphs", "ours_full_iteration", "floor")
+           "ours_segment_graphs", "ours_segment_and_optimizer_graphs", "ours_full_iteration", "floor")
 # Added by --offload (GPU only): every block's activations offloaded, then every 2nd, 3rd, 4th block's.
 OFFLOAD_SYSTEMS = ("ours_eager_offload", "ours_eager_offload_every2", "ours_eager_offload_every3",
                    "ours_eager_offload_every4")
 GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp", "ours_segment_graphs",
-                 "ours_full_iteration", "floor")
+                 "ours_segment_and_optimizer_graphs", "ours_full_iteration", "floor")
 SEGMENT_SIZE = [3]  # ours_segment_graphs' blocks per graph (--segment-size)
 WHOLE_GRAPH_SYSTEMS = ("fsdp2_full_graph", "floor")
 LOSS_RTOL = 1e-2  # bf16 compute: different reduction orders drift apart by far less than this
@@ -255,12 +257,13 @@ ours_eager_offload_every3 = _offloading(3)
 ours_eager_offload_every4 = _offloading(4)
 
 
-def ours_layer_graphs(bench, env, batches, warmup, collective_graphs=True, segment_size=1):
+def ours_layer_graphs(bench, env, batches, warmup, collective_graphs=True, segment_size=1, optimizer_graph=False):
     """Every block graphed (captured now, from an example forward on the first batch)."""
     model = ours_sharded(bench, env)
     block_class = type(blocks_of(model)[0])  # FSDP<Block>, which every sharded block is
     config = fsdp_graph.GraphConfig(strategy="layer", modules=block_class, segment_size=segment_size,
-                                    collective_graphs=collective_graphs if segment_size == 1 else None)
+                                    collective_graphs=collective_graphs if segment_size == 1 else None,
+                                    optimizer_graph=optimizer_graph)
     opt = make_optimizer(model, capturable=True)
     step = fsdp_graph.make_train_step(loss_fn_of(model), model, opt, config=config, example_batch=batches[0])
     return owning(step, model, opt), None
@@ -272,6 +275,10 @@ def ours_layer_graphs_eager_fsdp(bench, env, batches, warmup):
 
 def ours_segment_graphs(bench, env, batches, warmup):
     return ours_layer_graphs(bench, env, batches, warmup, segment_size=SEGMENT_SIZE[0])
+
+
+def ours_segment_and_optimizer_graphs(bench, env, batches, warmup):
+    return ours_layer_graphs(bench, env, batches, warmup, segment_size=SEGMENT_SIZE[0], optimizer_graph=True)
 
 
 def ours_full_iteration(bench, env, batches, warmup):

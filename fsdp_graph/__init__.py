@@ -14,7 +14,8 @@ The public API (README.md has the full picture; docs/architecture.md the design)
 - ``pre_backward_handler`` / ``post_backward_handler`` and the sentinel names: the protocol a
   graph wrapper detects.
 - ``GraphConfig`` + ``make_train_step`` / ``make_eval_step``: eager, per-layer or whole-step
-  graphs, chosen by configuration and validated up front.
+  graphs, chosen by configuration and validated up front. ``graph_optimizer_step``: the clipping
+  and the optimizer step as graphs of their own, for a hand-written loop.
 - ``graph_modules`` / ``select_modules``: graph chosen modules in place;
 - ``graph_segments``: graph k consecutive FSDP blocks per graph, their FSDP steps inside;
   ``make_graphed_callables``: the low-level capture with capture-time hooks.
@@ -47,6 +48,7 @@ from .graphs.replay_stream import JoinEvent, replay_on
 from .graphs.segment_graphs import graph_segments
 from .steps.graph_config import GraphConfig
 from .steps.make_step import make_eval_step, make_train_step
+from .steps.optimizer_graph import graph_optimizer_step
 
 __all__ = [
     "BACKWARD_PRE_SENTINEL",
@@ -64,6 +66,7 @@ __all__ = [
     "full_state_dict",
     "fully_shard",
     "graph_modules",
+    "graph_optimizer_step",
     "graph_segments",
     "hf",
     "init_distributed",

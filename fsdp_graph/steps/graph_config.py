@@ -13,6 +13,8 @@ Three independent settings (after Megatron's split):
 * ``segment_size``, for ``"layer"``: k > 1 graphs k consecutive blocks (FSDP units) per graph
   with their FSDP steps inside (``graph_segments``), for blocks too small to hide the host's
   work per layer; 1 (the default) graphs each module on its own;
+* ``optimizer_graph``, for ``"layer"``: the clipping and the optimizer step replayed as CUDA graphs
+  of their own (``graph_optimizer_step``); ``"full_iteration"`` has them inside its graph already;
 * ``forward_only``, for evaluation: ``"none"``, ``"layer"`` (the same modules, forward-only
   graphs, unshard outside) or ``"model"`` (the whole forward with its unshards in one graph).
 
@@ -54,6 +56,7 @@ class GraphConfig:
     # as an earlier step chose for them, else True)
     replay_stream: torch.cuda.Stream | None = None  # every graph the step makes replays there (replay_on overrides)
     segment_size: int = 1  # "layer": k > 1 graphs k consecutive blocks per graph, their FSDP steps inside
+    optimizer_graph: bool = False  # "layer": clipping and the optimizer step replayed as graphs of their own
 
 
 def _choice(value, choices: tuple, field: str) -> str:
@@ -95,6 +98,15 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
             f"GraphConfig: segment_size={size} with forward_only='layer': a segment's blocks run their FSDP steps "
             "inside its training graphs, so they cannot also get forward-only graphs of their own. Use "
             "forward_only='model' (the whole forward as one graph) or 'none' (the blocks evaluate eagerly)."
+        )
+    if not isinstance(config.optimizer_graph, bool):
+        raise TypeError(f"GraphConfig.optimizer_graph must be True or False, got {config.optimizer_graph!r}")
+    if config.optimizer_graph and strategy != "layer":
+        raise ValueError(
+            f"GraphConfig: optimizer_graph=True graphs the optimizer step of strategy='layer', but the strategy is "
+            f"{strategy!r}" + (" (whose graph has the optimizer step inside already). Drop optimizer_graph."
+                               if strategy == "full_iteration" else
+                               ", which runs eagerly. Use strategy='layer', or drop optimizer_graph.")
         )
     if not isinstance(config.num_warmup_iters, int) or config.num_warmup_iters < 1:
         raise ValueError(f"GraphConfig.num_warmup_iters must be an int >= 1, got {config.num_warmup_iters!r}")
@@ -197,7 +209,7 @@ def _check_whole(model: nn.Module, what: str, training: bool) -> None:
             )
 
 
-def check_capturable_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
+def check_capturable_optimizer(optimizer: torch.optim.Optimizer | None, what: str = "make_train_step") -> None:
     """An optimizer step inside a graph must not sync with the host and must read its learning
     rate from a device tensor."""
     if optimizer is None:
@@ -206,14 +218,14 @@ def check_capturable_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
     for i, group in enumerate(optimizer.param_groups):
         if "capturable" in optimizer.defaults and not group.get("capturable"):
             raise ValueError(
-                f"make_train_step: {name} param group {i} is not capturable; its step keeps state on the "
+                f"{what}: {name} param group {i} is not capturable; its step keeps state on the "
                 f"host. Create it with capturable=True (e.g. torch.optim.{name}(params, lr=..., "
                 "capturable=True), fused=True as well for speed), or pass optimizer=None and step it "
                 "outside the graph."
             )
         if "capturable" not in optimizer.defaults and "fused" in optimizer.defaults and not group.get("fused"):
             raise ValueError(
-                f"make_train_step: {name} param group {i} needs fused=True: its default path reads a tensor "
+                f"{what}: {name} param group {i} needs fused=True: its default path reads a tensor "
                 "learning rate with .item() (a host sync). Create it with fused=True, or pass optimizer=None "
                 "and step it outside the graph."
             )

@@ -21,6 +21,7 @@ from ..graphs.module_graphs import eval_mode, graph_modules, record_sample_args
 from ..graphs.segment_graphs import graph_segments
 from .eval_step import EvalStep, GraphedForward
 from .graph_config import GraphConfig, check_capturable_optimizer, selected_modules, validate_graph_config
+from .optimizer_graph import graph_optimizer_step
 from .train_step import GraphedTrainStep, TrainStep
 
 
@@ -63,6 +64,15 @@ def make_train_step(
             "runs the first micro-batches under no_sync. Use segment_size=1, or strategy='full_iteration' (which "
             "accumulates inside its graph)."
         )
+    if config.optimizer_graph:
+        if optimizer is None:
+            raise ValueError(
+                "make_train_step: GraphConfig(optimizer_graph=True) graphs the optimizer step, but no optimizer was "
+                "given. Pass the optimizer, or drop optimizer_graph."
+            )
+        body.optimizer_step = graph_optimizer_step(model, optimizer, max_grad_norm=max_grad_norm,
+                                                   num_warmup_iters=config.num_warmup_iters,
+                                                   replay_stream=config.replay_stream)
     modules = selected_modules(model, config)
     micro = body.micro_batches(example)[0]
     samples = _samples(model, modules, lambda: loss_fn(*micro))

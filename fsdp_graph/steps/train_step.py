@@ -43,6 +43,7 @@ from ..graphs.host_sync import no_host_sync
 from ..graphs.replay_stream import replay_target, replay_whole, whole_target
 from ..graphs.static_inputs import StaticInputs
 from ..graphs.whole_graph import capture_whole, on_stream
+from .captured_optimizer import CapturedOptimizer
 
 
 class TrainStep:
@@ -67,6 +68,7 @@ class TrainStep:
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
         self.units = units_in(model)
+        self.optimizer_step: Callable[[], None] | None = None  # clip + step as graphs (optimizer_graph=True)
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         return self.run(batch)
@@ -115,10 +117,14 @@ class TrainStep:
         finally:
             for unit, flag in zip(self.units, previous_sync):
                 unit.requires_gradient_sync = flag
-        if self.max_grad_norm is not None:
-            clip_grad_norm_(self.model, self.max_grad_norm)
+        if self.optimizer_step is not None:
+            self.optimizer_step()
+        else:
+            if self.max_grad_norm is not None:
+                clip_grad_norm_(self.model, self.max_grad_norm)
+            if self.optimizer is not None:
+                self.optimizer.step()
         if self.optimizer is not None:
-            self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return total
 
@@ -160,7 +166,7 @@ class GraphedTrainStep:
         self.static_loss: torch.Tensor | None = None
         self.eager_steps = 0
         self.replays = 0
-        self._learning_rates = _learning_rates_on_device(body.optimizer, self.device)
+        self.captured_optimizer = CapturedOptimizer(body.optimizer, self.device, "make_train_step")
         self._divide_factors: list | None = None  # each unit's, as captured
         self._unused: list[frozenset[int]] = []  # each unit's parameters that get no gradient, as captured
         self.replay_default = replay_target(replay_stream, None, "make_train_step")
@@ -168,7 +174,7 @@ class GraphedTrainStep:
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         try:
             target = whole_target(self.replay_default, "make_train_step", self.device)
-            self._check_learning_rates()
+            self.captured_optimizer.check()
             self._check_divide_factors()
             self.inputs.copy_in(batch)
         except BaseException as err:  # (a short last batch on one rank, say)
@@ -199,6 +205,7 @@ class GraphedTrainStep:
         # does, so the graph overwrites the sharded gradients instead of adding to them.
         self.body.clear_grads()
         self._divide_factors = [unit.grads.divide_factor for unit in self.body.units]
+        self.captured_optimizer.freeze()
         self.graph, self.static_loss = capture_whole(
             "make_train_step", lambda: self.body.run(tuple(self.inputs.tensors)), self.contexts, self.stream
         )
@@ -234,36 +241,3 @@ class GraphedTrainStep:
                 "the graph keeps the factor it was captured with. Set it before building the step, or build a "
                 "new step."
             )
-
-    def _check_learning_rates(self) -> None:
-        optimizer = self.body.optimizer
-        if optimizer is not None and (
-            [id(g) for g in optimizer.param_groups] != [id(g) for g, _ in self._learning_rates]
-        ):
-            raise RuntimeError(
-                "make_train_step: the optimizer's param groups were replaced (optimizer.load_state_dict or "
-                "add_param_group); the graph holds the old groups and state. Load state before building "
-                "the step, or build a new step."
-            )
-        for i, (group, lr) in enumerate(self._learning_rates):
-            if group["lr"] is not lr:
-                raise RuntimeError(
-                    f"make_train_step: param group {i}'s learning rate was replaced (now {group['lr']!r}); "
-                    "the graph reads the device tensor it was captured with. Change it in place: "
-                    "group['lr'].fill_(value) (torch.optim.lr_scheduler schedulers do this)."
-                )
-
-
-def _learning_rates_on_device(optimizer, device: torch.device) -> list[tuple[dict, torch.Tensor]]:
-    """Every group's learning rate as a 0-dim fp32 tensor on ``device`` (in the group, in place)."""
-    if optimizer is None:
-        return []
-    rates = []
-    for group in optimizer.param_groups:
-        lr = group["lr"]
-        if not (isinstance(lr, torch.Tensor) and lr.device == device):
-            lr = torch.tensor(float(lr), dtype=torch.float32, device=device)
-            group["lr"] = lr
-        rates.append((group, lr))
-    return rates
-

@@ -1,0 +1,91 @@
+"""CPU: what ``graph_optimizer_step`` and ``GraphConfig(optimizer_graph=True)`` refuse before any
+capture, and the checks a captured optimizer step makes before each replay, each naming the fix.
+(The graphs themselves, bitwise against eager: ``test_optimizer_graph_gpu.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp_graph
+from fsdp_graph import GraphConfig
+from fsdp_graph.steps.captured_optimizer import CapturedOptimizer
+from fsdp_graph.steps.graph_config import validate_graph_config
+
+from models import TinyLM, shard
+
+
+def test_optimizer_graph_belongs_to_the_layer_strategy():
+    model = shard(TinyLM())
+    with pytest.raises(ValueError, match="strategy is 'none', which runs eagerly. Use strategy='layer'"):
+        validate_graph_config(GraphConfig(optimizer_graph=True), model)
+    with pytest.raises(ValueError, match=r"has the optimizer step inside already\). Drop optimizer_graph"):
+        validate_graph_config(GraphConfig(strategy="full_iteration", optimizer_graph=True), model)
+    with pytest.raises(TypeError, match="optimizer_graph must be True or False"):
+        validate_graph_config(GraphConfig(strategy="layer", optimizer_graph="yes"), model)
+
+
+def test_graph_optimizer_step_refuses_what_it_cannot_graph():
+    model = shard(TinyLM())
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match="expected a torch.optim.Optimizer"):
+        fsdp_graph.graph_optimizer_step(model, model.parameters())
+    with pytest.raises(ValueError, match="num_warmup_iters must be an int >= 1"):
+        fsdp_graph.graph_optimizer_step(model, opt, num_warmup_iters=0)
+    plain = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="call fsdp_graph.fully_shard on its blocks and its root first"):
+        fsdp_graph.graph_optimizer_step(plain, torch.optim.AdamW(plain.parameters()))
+    with pytest.raises(RuntimeError, match="needs CUDA.*Call optimizer.step"):
+        fsdp_graph.graph_optimizer_step(model, opt)
+
+
+def _captured(**group):
+    param = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([param], lr=1e-3, **group)
+    captured = CapturedOptimizer(opt, torch.device("cpu"), "graph_optimizer_step")
+    return opt, captured
+
+
+def test_the_learning_rate_becomes_a_tensor_that_schedulers_fill_in_place():
+    opt, captured = _captured()
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(1e-3)
+    captured.freeze()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    opt.step()
+    scheduler.step()
+    captured.check()  # filled in place: the captured tensor holds the new value
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(5e-4)
+    opt.param_groups[0]["lr"] = 0.1
+    with pytest.raises(RuntimeError, match=r"learning rate was replaced.*group\['lr'\].fill_\(value\)"):
+        captured.check()
+
+
+def test_hyperparameters_changed_after_the_capture_are_refused():
+    opt, captured = _captured(betas=(0.9, 0.95), weight_decay=0.1)
+    opt.param_groups[0]["weight_decay"] = 0.2  # before the capture: the eager steps use it
+    captured.check()
+    captured.freeze()
+    captured.check()
+    opt.param_groups[0]["betas"] = (0.85, 0.95)  # what OneCycleLR(cycle_momentum=True) does
+    with pytest.raises(RuntimeError, match=r"'betas' changed from \(0.9, 0.95\) to \(0.85, 0.95\).*cycle_momentum"):
+        captured.check()
+    opt.param_groups[0]["betas"] = (0.9, 0.95)
+    captured.check()
+    opt.param_groups[0]["weight_decay"] = 0.0
+    with pytest.raises(RuntimeError, match="'weight_decay' changed from 0.2 to 0.0"):
+        captured.check()
+
+
+def test_groups_or_state_replaced_after_the_capture_are_refused():
+    opt, captured = _captured()
+    opt.step()
+    captured.freeze()
+    opt.load_state_dict(opt.state_dict())
+    with pytest.raises(RuntimeError, match="param groups were replaced, or its state.*build a new step"):
+        captured.check()
+    opt, captured = _captured()
+    captured.freeze()
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(RuntimeError, match="param groups were replaced, or its state"):
+        captured.check()

@@ -1,0 +1,210 @@
+"""GPU: the clipping and the optimizer step replayed as graphs of their own train bitwise as eager.
+
+The sharded GPT in bf16 (fp32 reduce), capturable fused AdamW, clipping, 12 steps:
+
+* through ``make_train_step`` with ``GraphConfig(strategy="layer", optimizer_graph=True)``, per-layer
+  graphs and segments of three, against the eager step;
+* a hand-written loop with ``graph_optimizer_step``: a learning-rate scheduler, a step post-hook, the
+  root keeping its gathered parameters across the step (so the replay must run this package's
+  own step hook, which tells it the masters changed), with and without ``set_to_none``;
+* a model whose auxiliary head gets no gradient every other step: those steps run eagerly (with a
+  warning), the others replay;
+* the refusals a user can meet on a GPU, each naming the fix.
+
+Runs on two GPUs (NCCL) where there are two, else on one.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_graph
+from fsdp_graph import GraphConfig
+
+from dist_harness import run_ranks
+from examples.gpt import GPT
+from test_graph_parity_gpu import CFG, _batch, _build
+from test_segment_graphs_gpu import _compare
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+STEPS, WARMUP = 12, 2
+
+
+def _ranks() -> int:
+    return min(2, torch.cuda.device_count())
+
+
+def _adamw(model: nn.Module, device) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=device), capturable=True, fused=True)
+
+
+def _train_step(info, config: GraphConfig):
+    model = _build(info, oversized_block=False)
+    opt = _adamw(model, info.device)
+    step = fsdp_graph.make_train_step(lambda idx, targets: model(idx, targets)[1], model, opt, config=config,
+                                      max_grad_norm=1.0, example_batch=_batch(0, info))
+    losses = torch.stack([step(*_batch(i, info)) for i in range(STEPS)])
+    if config.optimizer_graph:
+        graphed = step.optimizer_step
+        assert (graphed.eager_steps, graphed.replays, graphed.eager_after_capture) == (WARMUP, STEPS - WARMUP, 0)
+    return losses, fsdp_graph.full_state_dict(model)
+
+
+def _make_train_step_matches_eager(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    eager = _train_step(info, GraphConfig())
+    for k in (1, 3):
+        config = GraphConfig(strategy="layer", segment_size=k, optimizer_graph=True, num_warmup_iters=WARMUP)
+        _compare(f"optimizer_graph, segment_size={k}", _train_step(info, config), eager)
+
+
+def test_optimizer_graph_in_make_train_step_is_bitwise_eager():
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_make_train_step_matches_eager, _ranks())
+
+
+def _hand_loop(info, graphed: bool, set_to_none: bool):
+    model = _build(info, oversized_block=False)
+    model.set_reshard_after_backward(False, recurse=False)  # the root keeps its gathered parameters
+    opt = _adamw(model, info.device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    post_hook_calls = []
+    opt.register_step_post_hook(lambda *_: post_hook_calls.append(1))
+    opt_step = fsdp_graph.graph_optimizer_step(model, opt, max_grad_norm=0.5, num_warmup_iters=WARMUP) \
+        if graphed else None
+    losses = []
+    for i in range(STEPS):
+        loss = model(*_batch(i, info))[1]
+        loss.backward()
+        if graphed:
+            opt_step()
+        else:
+            fsdp_graph.clip_grad_norm_(model, 0.5)
+            opt.step()
+        scheduler.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        losses.append(loss.detach())
+    assert len(post_hook_calls) == STEPS
+    if graphed:
+        assert (opt_step.replays, opt_step.eager_after_capture) == (STEPS - WARMUP, 0)
+    return torch.stack(losses), fsdp_graph.full_state_dict(model)
+
+
+def _hand_loop_matches_eager(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    for set_to_none in (True, False):
+        _compare(f"graph_optimizer_step, set_to_none={set_to_none}", _hand_loop(info, True, set_to_none),
+                 _hand_loop(info, False, set_to_none))
+
+
+def test_graph_optimizer_step_in_a_hand_written_loop_is_bitwise_eager():
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_hand_loop_matches_eager, _ranks())
+
+
+class _WithAux(nn.Module):
+    """The GPT plus a head that only some steps use (an auxiliary loss, an MoE expert without tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = GPT(CFG)
+        self.aux = nn.Linear(CFG.vocab_size, 1)
+
+    def forward(self, idx, targets, use_aux: bool):
+        logits, loss = self.gpt(idx, targets)
+        return loss + 0.01 * self.aux(logits.float()).square().mean() if use_aux else loss
+
+
+def _aux_loop(info, graphed: bool):
+    torch.manual_seed(0)
+    model = _WithAux().to(info.device)
+    policy = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in (*model.gpt.blocks, model.aux):
+        fsdp_graph.fully_shard(module, mp_policy=policy)
+    fsdp_graph.fully_shard(model, mp_policy=policy)
+    opt = _adamw(model, info.device)
+    opt_step = fsdp_graph.graph_optimizer_step(model, opt, num_warmup_iters=WARMUP) if graphed else opt.step
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(STEPS):
+            loss = model(*_batch(i, info), use_aux=i % 2 == 0)  # the capture (step 2) has it
+            loss.backward()
+            opt_step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    if graphed:
+        odd_after_capture = len(range(WARMUP + 1, STEPS, 2))
+        assert (opt_step.replays, opt_step.eager_after_capture) == (STEPS - WARMUP - odd_after_capture,
+                                                                     odd_after_capture)
+        fallbacks = [w for w in caught if "steps eagerly, as optimizer.step() would" in str(w.message)]
+        assert len(fallbacks) == 1 and "is None, a tensor at the capture" in str(fallbacks[0].message)
+    return torch.stack(losses), fsdp_graph.full_state_dict(model)
+
+
+def _unused_head_matches_eager(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    _compare("a head used every other step", _aux_loop(info, True), _aux_loop(info, False))
+
+
+def test_steps_whose_gradients_differ_from_the_capture_step_eagerly_and_stay_bitwise():
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_unused_head_matches_eager, _ranks())
+
+
+def _refusals(info) -> None:
+    model = _build(info, oversized_block=False)
+    loss_fn = lambda idx, targets: model(idx, targets)[1]  # noqa: E731
+    config = GraphConfig(strategy="layer", optimizer_graph=True, num_warmup_iters=WARMUP)
+    with pytest.raises(ValueError, match="optimizer_graph=True.*no optimizer was given. Pass the optimizer"):
+        fsdp_graph.make_train_step(loss_fn, model, None, config=config, example_batch=_batch(0, info))
+    with pytest.raises(ValueError, match="graph_optimizer_step: AdamW param group 0 is not capturable.*capturable=Tr"):
+        fsdp_graph.graph_optimizer_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    stray = nn.Parameter(torch.zeros(3, device=info.device))
+    with pytest.raises(ValueError, match=r"\(shape \(3,\)\) is not a parameter of this model.*from model.parameters"):
+        fsdp_graph.graph_optimizer_step(model, torch.optim.AdamW([*model.parameters(), stray], capturable=True))
+    blocks_only = GPT(CFG).to(info.device)
+    for block in blocks_only.blocks:
+        fsdp_graph.fully_shard(block)
+    with pytest.raises(ValueError, match=r"belongs to no FSDP unit.*fully_shard\(model\) on the root"):
+        fsdp_graph.graph_optimizer_step(blocks_only, _adamw(blocks_only, info.device))
+
+    opt = _adamw(model, info.device)
+    opt_step = fsdp_graph.graph_optimizer_step(model, opt, num_warmup_iters=1)
+    for i in range(2):  # one eager step, then the capture
+        loss_fn(*_batch(i, info)).backward()
+        opt_step()
+        opt.zero_grad()
+    assert opt_step.replays == 1
+    loss_fn(*_batch(2, info)).backward()
+    opt.param_groups[0]["betas"] = (0.8, 0.999)
+    with pytest.raises(RuntimeError, match=r"'betas' changed from \(0.9, 0.999\) to \(0.8, 0.999\)"):
+        opt_step()
+    opt.param_groups[0]["betas"] = (0.9, 0.999)
+    handle = opt.register_step_pre_hook(lambda o, args, kwargs: ((), {"closure": None}))
+    with pytest.raises(RuntimeError, match="pre-hook returned new arguments.*Return None from the hook"):
+        opt_step()
+    handle.remove()
+    opt_step()
+    assert opt_step.replays == 2
+
+    # The whole step gets the same checks: a hyperparameter it would have kept silently is refused.
+    whole = _build(info, oversized_block=False)
+    whole_opt = _adamw(whole, info.device)
+    step = fsdp_graph.make_train_step(lambda idx, targets: whole(idx, targets)[1], whole, whole_opt,
+                                      config=GraphConfig(strategy="full_iteration", num_warmup_iters=1),
+                                      example_batch=_batch(0, info))
+    for i in range(2):
+        step(*_batch(i, info))
+    whole_opt.param_groups[0]["weight_decay"] = 0.0
+    with pytest.raises(RuntimeError, match="make_train_step: param group 0's 'weight_decay' changed from 0.01 to 0.0"):
+        step(*_batch(2, info))
+
+
+def test_optimizer_graph_refusals_name_the_fix():
+    run_ranks(_refusals, 1)
