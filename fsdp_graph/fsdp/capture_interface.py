@@ -23,6 +23,7 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
 * for segment graphs (several units' steps captured, eager code around them): the unit hooks
   (``unit_hooks``) to take off, ``run_as_forward`` to run a unit's steps by hand, and per unit
   ``segmented`` (no prefetch from outside) and ``param_group`` (its slot, ``evict``);
+* ``local_tensor``: this rank's piece of a master or of its ``.grad`` (the address a graph reads);
 * per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
   ``grads.pin_sharded()``, ``grads.expose_sharded(unused)``, ``grads.use.unused`` (the parameters
   no rank gave a gradient, as decided at the capture).
@@ -48,6 +49,7 @@ from .hooks import (
     pre_forward_unshard,
     run_as_forward,
 )
+from .mesh import local_tensor
 from .param_group import ShardState
 from .registry import enclosing_unit, leaf_units, pin_addresses, root_contexts, units_in
 from .root import RootContext
@@ -65,6 +67,7 @@ __all__ = [
     "TrainingState",
     "enclosing_unit",
     "leaf_units",
+    "local_tensor",
     "master_owner",
     "note_replay_tail",
     "pin_addresses",

@@ -39,9 +39,8 @@ import torch
 import torch.nn as nn
 from torch.optim import optimizer as torch_optimizer
 
-from ..fsdp.capture_interface import master_owner, require_fixed_addresses, root_contexts, units_in
+from ..fsdp.capture_interface import local_tensor, master_owner, require_fixed_addresses, root_contexts, units_in
 from ..fsdp.clip_grad import clip_grad_norm_
-from ..fsdp.mesh import local_tensor
 from ..graphs.host_sync import no_host_sync
 from ..graphs.replay_stream import replay_target, replay_whole, whole_target
 from ..graphs.whole_graph import capture_whole
