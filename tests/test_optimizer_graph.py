@@ -42,7 +42,7 @@ def test_graph_optimizer_step_refuses_what_it_cannot_graph():
 def _captured(**group):
     param = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.AdamW([param], lr=1e-3, **group)
-    captured = CapturedOptimizer(opt, torch.device("cpu"), "graph_optimizer_step")
+    captured = CapturedOptimizer(opt, torch.device("cpu"), "graph_optimizer_step", "build it again")
     return opt, captured
 
 
@@ -50,8 +50,9 @@ def test_the_learning_rate_becomes_a_tensor_that_schedulers_fill_in_place():
     opt, captured = _captured()
     lr = opt.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)  # (adds initial_lr, a tensor)
+    captured.refuse_tensor_hyperparameters()  # initial_lr is the scheduler's, not read by the step
     captured.freeze()
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
     opt.step()
     scheduler.step()
     captured.check()  # filled in place: the captured tensor holds the new value
@@ -59,6 +60,26 @@ def test_the_learning_rate_becomes_a_tensor_that_schedulers_fill_in_place():
     opt.param_groups[0]["lr"] = 0.1
     with pytest.raises(RuntimeError, match=r"learning rate was replaced.*group\['lr'\].fill_\(value\)"):
         captured.check()
+
+
+def test_hyperparameters_held_in_tensors_are_refused_before_the_capture():
+    opt, captured = _captured(betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    with pytest.raises(ValueError, match="'betas' holds a tensor.*Pass betas as a Python number"):
+        captured.refuse_tensor_hyperparameters()
+
+
+def test_state_made_by_a_captured_step_is_undone():
+    """What the optimizer-step graph does when a capture made state (a parameter's first gradient)."""
+    opt, captured = _captured()
+    first, second = opt.param_groups[0]["params"][0], torch.nn.Parameter(torch.ones(2))
+    opt.add_param_group({"params": [second]})
+    first.grad = torch.ones_like(first)
+    opt.step()  # state for the first parameter only: the second has no gradient yet
+    keys = captured.state_keys()
+    second.grad = torch.ones_like(second)
+    opt.step()  # (in a capture: the second's state made inside the graph)
+    assert captured.drop_state_made_since(keys) == 1
+    assert not opt.state.get(second) and set(opt.state[first]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
 def test_hyperparameters_changed_after_the_capture_are_refused():
@@ -77,12 +98,20 @@ def test_hyperparameters_changed_after_the_capture_are_refused():
         captured.check()
 
 
+def test_a_changed_list_of_parameters_is_refused():
+    opt, captured = _captured()
+    captured.freeze()
+    opt.param_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(2)))
+    with pytest.raises(RuntimeError, match="param group 0's list of parameters changed.*Build it again"):
+        captured.check()
+
+
 def test_groups_or_state_replaced_after_the_capture_are_refused():
     opt, captured = _captured()
     opt.step()
     captured.freeze()
     opt.load_state_dict(opt.state_dict())
-    with pytest.raises(RuntimeError, match="param groups were replaced, or its state.*build a new step"):
+    with pytest.raises(RuntimeError, match="param groups were replaced, or its state.*build it again"):
         captured.check()
     opt, captured = _captured()
     captured.freeze()

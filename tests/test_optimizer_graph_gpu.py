@@ -25,6 +25,7 @@ import torch.nn as nn
 
 import fsdp_graph
 from fsdp_graph import GraphConfig
+from fsdp_graph.steps import optimizer_graph
 
 from dist_harness import run_ranks
 from examples.gpt import GPT
@@ -69,22 +70,34 @@ def test_optimizer_graph_in_make_train_step_is_bitwise_eager():
 
 
 def _hand_loop(info, graphed: bool, set_to_none: bool):
-    model = _build(info, oversized_block=False)
-    model.set_reshard_after_backward(False, recurse=False)  # the root keeps its gathered parameters
+    """A user's loop with a scheduler, a step post-hook and an evaluation forward between backward and
+    step. The root stays gathered after that forward (reshard_after_forward=False) and keeps it for the
+    next forward (set_reshard_after_backward(False)) unless told the masters changed: eagerly their
+    version counters tell it, under a replay only this package's step pre-hook does."""
+    torch.manual_seed(0)
+    model = GPT(CFG).to(info.device)
+    policy = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fsdp_graph.fully_shard(block, mp_policy=policy)
+    fsdp_graph.fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    model.set_reshard_after_backward(False, recurse=False)
     opt = _adamw(model, info.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
     post_hook_calls = []
     opt.register_step_post_hook(lambda *_: post_hook_calls.append(1))
     opt_step = fsdp_graph.graph_optimizer_step(model, opt, max_grad_norm=0.5, num_warmup_iters=WARMUP) \
         if graphed else None
-    losses = []
+    losses, norms = [], []
     for i in range(STEPS):
-        loss = model(*_batch(i, info))[1]
+        idx, targets = _batch(i, info)
+        loss = model(idx, targets)[1]
         loss.backward()
+        with torch.no_grad():
+            model(idx)  # (evaluation between backward and step: the root gathers, and keeps it)
         if graphed:
-            opt_step()
+            norms.append(opt_step())
         else:
-            fsdp_graph.clip_grad_norm_(model, 0.5)
+            norms.append(fsdp_graph.clip_grad_norm_(model, 0.5))
             opt.step()
         scheduler.step()
         opt.zero_grad(set_to_none=set_to_none)
@@ -92,14 +105,24 @@ def _hand_loop(info, graphed: bool, set_to_none: bool):
     assert len(post_hook_calls) == STEPS
     if graphed:
         assert (opt_step.replays, opt_step.eager_after_capture) == (STEPS - WARMUP, 0)
-    return torch.stack(losses), fsdp_graph.full_state_dict(model)
+    return torch.stack(losses), fsdp_graph.full_state_dict(model), torch.stack(norms)
 
 
 def _hand_loop_matches_eager(info) -> None:
     torch.use_deterministic_algorithms(True)
     for set_to_none in (True, False):
-        _compare(f"graph_optimizer_step, set_to_none={set_to_none}", _hand_loop(info, True, set_to_none),
-                 _hand_loop(info, False, set_to_none))
+        eager = _hand_loop(info, False, set_to_none)
+        graphed = _hand_loop(info, True, set_to_none)
+        _compare(f"graph_optimizer_step, set_to_none={set_to_none}", graphed[:2], eager[:2])
+        assert torch.equal(graphed[2], eager[2]), "the gradient norms the step returns differ from clip_grad_norm_'s"
+    # Without the step pre-hooks around the replay, the root's kept parameters go stale: the test sees it.
+    real = optimizer_graph._run_pre_hooks
+    optimizer_graph._run_pre_hooks = lambda opt: False
+    try:
+        stale = _hand_loop(info, True, True)
+    finally:
+        optimizer_graph._run_pre_hooks = real
+    assert not torch.equal(stale[0], eager[0]), "skipping the step hooks should have left the root's copy stale"
 
 
 def test_graph_optimizer_step_in_a_hand_written_loop_is_bitwise_eager():
@@ -120,7 +143,7 @@ class _WithAux(nn.Module):
         return loss + 0.01 * self.aux(logits.float()).square().mean() if use_aux else loss
 
 
-def _aux_loop(info, graphed: bool):
+def _aux_loop(info, graphed: bool, every: int):
     torch.manual_seed(0)
     model = _WithAux().to(info.device)
     policy = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -133,23 +156,27 @@ def _aux_loop(info, graphed: bool):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(STEPS):
-            loss = model(*_batch(i, info), use_aux=i % 2 == 0)  # the capture (step 2) has it
+            loss = model(*_batch(i, info), use_aux=i % every == 2 % every)
             loss.backward()
             opt_step()
             opt.zero_grad()
             losses.append(loss.detach())
     if graphed:
-        odd_after_capture = len(range(WARMUP + 1, STEPS, 2))
-        assert (opt_step.replays, opt_step.eager_after_capture) == (STEPS - WARMUP - odd_after_capture,
-                                                                     odd_after_capture)
+        # every=2: used from step 0, so the capture (step 2) has it; the steps without it after the
+        # capture step eagerly. every=3: first used at step 2, the capture call, whose optimizer then
+        # makes the head's state: that capture is thrown away and the step eager; step 3 captures
+        # without the head, and the steps with it (5, 8, 11) step eagerly.
+        counts = {2: (WARMUP, 5, 5), 3: (WARMUP + 1, 6, 3)}[every]
+        assert (opt_step.eager_steps, opt_step.replays, opt_step.eager_after_capture) == counts
         fallbacks = [w for w in caught if "steps eagerly, as optimizer.step() would" in str(w.message)]
-        assert len(fallbacks) == 1 and "is None, a tensor at the capture" in str(fallbacks[0].message)
+        assert len(fallbacks) == 1
     return torch.stack(losses), fsdp_graph.full_state_dict(model)
 
 
 def _unused_head_matches_eager(info) -> None:
     torch.use_deterministic_algorithms(True)
-    _compare("a head used every other step", _aux_loop(info, True), _aux_loop(info, False))
+    for every in (2, 3):
+        _compare(f"a head used every {every} steps", _aux_loop(info, True, every), _aux_loop(info, False, every))
 
 
 def test_steps_whose_gradients_differ_from_the_capture_step_eagerly_and_stay_bitwise():
@@ -190,8 +217,20 @@ def _refusals(info) -> None:
     with pytest.raises(RuntimeError, match="pre-hook returned new arguments.*Return None from the hook"):
         opt_step()
     handle.remove()
+    handle = opt.register_step_pre_hook(lambda o, args, kwargs: (args, kwargs))  # changes nothing: accepted
     opt_step()
+    handle.remove()
     assert opt_step.replays == 2
+    opt.param_groups[0]["params"].append(nn.Parameter(torch.zeros(3, device=info.device)))
+    with pytest.raises(RuntimeError, match="param group 0's list of parameters changed"):
+        opt_step()
+    opt.param_groups[0]["params"].pop()
+    clipped = GPT(CFG).to(info.device)  # clipping reads every parameter of the model, sharded or not
+    for block in clipped.blocks:
+        fsdp_graph.fully_shard(block)
+    block_params = [p for block in clipped.blocks for p in block.parameters()]
+    with pytest.raises(ValueError, match=r"max_grad_norm clips parameter .*belongs to no FSDP unit.*=None"):
+        fsdp_graph.graph_optimizer_step(clipped, torch.optim.AdamW(block_params, capturable=True), max_grad_norm=1.0)
 
     # The whole step gets the same checks: a hyperparameter it would have kept silently is refused.
     whole = _build(info, oversized_block=False)
@@ -204,6 +243,20 @@ def _refusals(info) -> None:
     whole_opt.param_groups[0]["weight_decay"] = 0.0
     with pytest.raises(RuntimeError, match="make_train_step: param group 0's 'weight_decay' changed from 0.01 to 0.0"):
         step(*_batch(2, info))
+    # ... and a parameter whose first gradient comes in the captured step (its optimizer state would be made
+    # inside the graph, and reset at every replay) is refused.
+    torch.manual_seed(0)
+    aux_model = _WithAux().to(info.device)
+    for module in (*aux_model.gpt.blocks, aux_model.aux, aux_model):
+        fsdp_graph.fully_shard(module)
+    calls = []
+    step = fsdp_graph.make_train_step(
+        lambda idx, targets: aux_model(idx, targets, use_aux=calls.append(1) or len(calls) > 1), aux_model,
+        _adamw(aux_model, info.device), config=GraphConfig(strategy="full_iteration", num_warmup_iters=1),
+        example_batch=_batch(0, info))
+    step(*_batch(0, info))
+    with pytest.raises(RuntimeError, match="got their first gradient in the captured step.*Raise GraphConfig"):
+        step(*_batch(1, info))
 
 
 def test_optimizer_graph_refusals_name_the_fix():

@@ -1,6 +1,6 @@
 """``GraphConfig``: how a model's steps use CUDA graphs, validated in one place.
 
-Three independent settings (after Megatron's split):
+Independent settings (after Megatron's split):
 
 * ``strategy``, for training: ``"none"`` (eager), ``"layer"`` (the selected modules are graphed,
   FSDP's unshard/reshard and everything else run between them: ``graph_modules``; with
@@ -209,7 +209,8 @@ def _check_whole(model: nn.Module, what: str, training: bool) -> None:
             )
 
 
-def check_capturable_optimizer(optimizer: torch.optim.Optimizer | None, what: str = "make_train_step") -> None:
+def check_capturable_optimizer(optimizer: torch.optim.Optimizer | None, what: str = "make_train_step",
+                               eager_fix: str = "pass optimizer=None and step it outside the graph") -> None:
     """An optimizer step inside a graph must not sync with the host and must read its learning
     rate from a device tensor."""
     if optimizer is None:
@@ -220,14 +221,12 @@ def check_capturable_optimizer(optimizer: torch.optim.Optimizer | None, what: st
             raise ValueError(
                 f"{what}: {name} param group {i} is not capturable; its step keeps state on the "
                 f"host. Create it with capturable=True (e.g. torch.optim.{name}(params, lr=..., "
-                "capturable=True), fused=True as well for speed), or pass optimizer=None and step it "
-                "outside the graph."
+                f"capturable=True), fused=True as well for speed), or {eager_fix}."
             )
         if "capturable" not in optimizer.defaults and "fused" in optimizer.defaults and not group.get("fused"):
             raise ValueError(
                 f"{what}: {name} param group {i} needs fused=True: its default path reads a tensor "
-                "learning rate with .item() (a host sync). Create it with fused=True, or pass optimizer=None "
-                "and step it outside the graph."
+                f"learning rate with .item() (a host sync). Create it with fused=True, or {eager_fix}."
             )
 
 

@@ -21,7 +21,7 @@ from ..graphs.module_graphs import eval_mode, graph_modules, record_sample_args
 from ..graphs.segment_graphs import graph_segments
 from .eval_step import EvalStep, GraphedForward
 from .graph_config import GraphConfig, check_capturable_optimizer, selected_modules, validate_graph_config
-from .optimizer_graph import graph_optimizer_step
+from .optimizer_graph import graph_optimizer_step, refuse_ungraphable_step
 from .train_step import GraphedTrainStep, TrainStep
 
 
@@ -57,6 +57,13 @@ def make_train_step(
         check_capturable_optimizer(optimizer)
         return GraphedTrainStep(body, example, num_warmup_iters=config.num_warmup_iters,
                                 replay_stream=config.replay_stream)
+    if config.optimizer_graph and optimizer is None:
+        raise ValueError(
+            "make_train_step: GraphConfig(optimizer_graph=True) graphs the optimizer step, but no optimizer was "
+            "given. Pass the optimizer, or drop optimizer_graph."
+        )
+    if config.optimizer_graph:  # (refused before any module is graphed)
+        refuse_ungraphable_step(model, optimizer, config.num_warmup_iters, max_grad_norm)
     if config.segment_size > 1 and grad_accum_steps > 1:
         raise ValueError(
             f"make_train_step: GraphConfig(segment_size={config.segment_size}) with grad_accum_steps="
@@ -64,15 +71,6 @@ def make_train_step(
             "runs the first micro-batches under no_sync. Use segment_size=1, or strategy='full_iteration' (which "
             "accumulates inside its graph)."
         )
-    if config.optimizer_graph:
-        if optimizer is None:
-            raise ValueError(
-                "make_train_step: GraphConfig(optimizer_graph=True) graphs the optimizer step, but no optimizer was "
-                "given. Pass the optimizer, or drop optimizer_graph."
-            )
-        body.optimizer_step = graph_optimizer_step(model, optimizer, max_grad_norm=max_grad_norm,
-                                                   num_warmup_iters=config.num_warmup_iters,
-                                                   replay_stream=config.replay_stream)
     modules = selected_modules(model, config)
     micro = body.micro_batches(example)[0]
     samples = _samples(model, modules, lambda: loss_fn(*micro))
@@ -80,10 +78,14 @@ def make_train_step(
         graph_segments(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
                        segment_size=config.segment_size, num_warmup_iters=config.num_warmup_iters,
                        replay_stream=config.replay_stream)
-        return body
-    graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
-                  num_warmup_iters=config.num_warmup_iters, collective_graphs=config.collective_graphs,
-                  replay_stream=config.replay_stream)
+    else:
+        graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
+                      num_warmup_iters=config.num_warmup_iters, collective_graphs=config.collective_graphs,
+                      replay_stream=config.replay_stream)
+    if config.optimizer_graph:  # last: it pins every unit's gradients for good
+        body.optimizer_step = graph_optimizer_step(model, optimizer, max_grad_norm=max_grad_norm,
+                                                   num_warmup_iters=config.num_warmup_iters,
+                                                   replay_stream=config.replay_stream)
     return body
 
 

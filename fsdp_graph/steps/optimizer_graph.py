@@ -1,31 +1,34 @@
 """The optimizer step, and the gradient clipping before it, as CUDA graphs of their own.
 
 Outside a whole-step graph the optimizer step is eager Python over every master: fused AdamW's
-``_init_group`` and DTensor unwrapping cost about 2 ms per step on the small preset, a third of
-a segment-graphed step. Its kernels read only tensors that can stay at fixed addresses (the
+``_init_group`` and the swap to local shards cost about 1 ms of host time per step on the small
+preset (one H100's host), a fifth of a segment-graphed step's. Its kernels read only tensors that can stay at fixed addresses (the
 masters, the optimizer state, the learning rates as device tensors, the sharded gradients once
 pinned), so it is captured once and replayed:
 
     opt_step = fsdp_graph.graph_optimizer_step(model, optimizer, max_grad_norm=1.0)
     for batch in loader:
         loss_fn(*batch).backward()
-        opt_step()                     # clip + optimizer.step(); eager for the first calls
+        norm = opt_step()              # clip + optimizer.step(); eager for the first calls
         optimizer.zero_grad()
 
 (``GraphConfig(strategy="layer", optimizer_graph=True)`` does this inside ``make_train_step``.)
 
 * Building it pins every unit's sharded gradients, so the ``.grad`` each reduce sets is the same
   tensor at the same address every step.
-* The first ``num_warmup_iters`` calls step eagerly (the optimizer state comes into being; from
-  the second call on under the host-sync check); the next one captures and replays.
+* The first ``num_warmup_iters`` calls step eagerly (the step body, not its hooks, under the
+  host-sync check from the second call on); the next one captures and replays. A capture in which
+  the optimizer made state (a parameter's first gradient: Adam makes its moments then) is thrown
+  away, that step runs eagerly, and the next call captures again: made inside the graph, the
+  state's zero-fill would be replayed at every step.
 * Clipping and the step are two graphs: ``optimizer.step()`` runs its step hooks (the optimizer's
   and the global ones, this package's own among them) in Python between the two, so the replay
   runs them there too, and they are off inside the capture.
-* Before every replay: which parameters have a gradient, and where, is compared with the capture.
-  When it differs (no rank used a parameter this step, a ``.grad`` was replaced) the step runs
-  eagerly, as ``optimizer.step()`` would, with a warning the first time: correct, only slower.
-  A change the graph would ignore (groups, state, hyperparameters) is refused
-  (``captured_optimizer.py``).
+* Before every replay: which parameters have a gradient, and where, is compared with the capture
+  (again after a user's pre-hook ran). When it differs (no rank used a parameter this step, a
+  ``.grad`` was replaced) the step runs eagerly, as ``optimizer.step()`` would, with a warning the
+  first time: correct, only slower. A change the graph would ignore (groups, state,
+  hyperparameters) is refused (``captured_optimizer.py``).
 """
 
 from __future__ import annotations
@@ -56,18 +59,20 @@ class GraphedOptimizerStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None,
                  num_warmup_iters: int = 3, replay_stream: torch.cuda.Stream | None = None) -> None:
-        _check(model, optimizer, num_warmup_iters)
+        refuse_ungraphable_step(model, optimizer, num_warmup_iters, max_grad_norm)
         self.model, self.optimizer, self.max_grad_norm = model, optimizer, max_grad_norm
         self.units = units_in(model)
         for unit in self.units:
             unit.grads.pin_sharded()  # the graph reads the gradients at fixed addresses
         self.device = self.units[0].device
-        self.params = _read_params(model, optimizer)
-        self.captured_optimizer = CapturedOptimizer(optimizer, self.device, WHAT)
+        self.params = _read_params(model, optimizer, max_grad_norm is not None)
+        self.captured_optimizer = CapturedOptimizer(
+            optimizer, self.device, WHAT, "build it again (graph_optimizer_step, or make_train_step)")
         self.num_warmup_iters = num_warmup_iters
         self.replay_default = replay_target(replay_stream, None, WHAT)
         self.stream = torch.cuda.Stream(self.device)
         self.graphs: list | None = None  # [clip graph (with max_grad_norm), step graph]
+        self._norm: torch.Tensor | None = None  # the clip graph's output: the total norm
         self._grads: list = []  # each parameter's ``.grad`` at the capture
         self._addresses: list[int] = []
         self.eager_steps = 0
@@ -75,47 +80,64 @@ class GraphedOptimizerStep:
         self.eager_after_capture = 0  # steps whose gradients were not the captured ones
         self._warned = False
 
-    def __call__(self) -> None:
+    def __call__(self) -> torch.Tensor | None:
+        """One step; returns the gradient norm before clipping (None without ``max_grad_norm``)."""
         self.captured_optimizer.check()
-        if self.graphs is None and self.eager_steps < self.num_warmup_iters:
-            with no_host_sync("the optimizer step", enabled=self.eager_steps > 0):
-                self._eager()
-            self.eager_steps += 1
-            return
-        target = whole_target(self.replay_default, WHAT, self.device)
-        if self.graphs is None:
-            self._capture()
-        elif not self._same_gradients():
-            self._eager()
-            self.eager_after_capture += 1
-            return
-        clip, step = self.graphs
-        if clip is not None:
-            replay_whole(clip, target)
-        _run_pre_hooks(self.optimizer)
-        replay_whole(step, target)
+        graphed = self.graphs is not None or self.eager_steps >= self.num_warmup_iters
+        if graphed:
+            target = whole_target(self.replay_default, WHAT, self.device)
+            if self.graphs is None:
+                graphed = self._capture()
+            elif not self._same_gradients():
+                graphed = False
+        clip_graph, step_graph = self.graphs if graphed else (None, None)
+        norm = None
+        if clip_graph is not None:  # (graphed: ``self.graphs`` is set)
+            replay_whole(clip_graph, target)
+            norm = self._norm.clone()
+        elif self.max_grad_norm is not None:
+            norm = clip_grad_norm_(self.model, self.max_grad_norm)
+        if _run_pre_hooks(self.optimizer) and graphed:  # a hook of the user's may have changed what the step reads
+            self.captured_optimizer.check()
+            graphed = self._same_gradients()
+        if graphed:
+            replay_whole(step_graph, target)
+            self.replays += 1
+        else:
+            warm_up = self.graphs is None
+            with _step_hooks_off(self.optimizer), no_host_sync("the optimizer step", enabled=warm_up and
+                                                               self.eager_steps > 0):
+                self.optimizer.step()
+            if warm_up:
+                self.eager_steps += 1
+            else:
+                self.eager_after_capture += 1
         _run_post_hooks(self.optimizer)
-        self.replays += 1
+        return norm
 
-    def _eager(self) -> None:
-        if self.max_grad_norm is not None:
-            clip_grad_norm_(self.model, self.max_grad_norm)
-        self.optimizer.step()
-
-    def _capture(self) -> None:
-        """Record the clipping and the step (hooks off); the caller replays them: this call's step."""
-        self._grads = [p.grad for p in self.params]
-        self._addresses = _addresses(self._grads)
-        self.captured_optimizer.freeze()
+    def _capture(self) -> bool:
+        """Record the clipping and the step (hooks off); the caller replays them: this call's step. False
+        (nothing kept) if the step made optimizer state, which the caller then makes eagerly."""
+        grads = [p.grad for p in self.params]
+        addresses = _addresses(grads)
+        self.captured_optimizer.refuse_tensor_hyperparameters()
         contexts = root_contexts(self.model)
         pool = torch.cuda.graph_pool_handle()  # the two graphs replay one after the other: one pool
-        clip = None
+        clip = norm = None
         if self.max_grad_norm is not None:
-            clip, _ = capture_whole(WHAT, lambda: clip_grad_norm_(self.model, self.max_grad_norm), contexts,
-                                    self.stream, pool=pool)
-        with _step_hooks_off(self.optimizer):
-            step, _ = capture_whole(WHAT, self.optimizer.step, contexts, self.stream, pool=pool)
-        self.graphs = [clip, step]
+            clip, norm = capture_whole(WHAT, lambda: clip_grad_norm_(self.model, self.max_grad_norm),
+                                       contexts, self.stream, pool=pool)
+        keys = self.captured_optimizer.state_keys()
+        try:
+            with _step_hooks_off(self.optimizer):
+                step, _ = capture_whole(WHAT, self.optimizer.step, contexts, self.stream, pool=pool)
+        finally:
+            made = self.captured_optimizer.drop_state_made_since(keys)
+        if made:  # (a parameter's first gradient: ``CapturedOptimizer.drop_state_made_since``)
+            return False
+        self.captured_optimizer.freeze()
+        self.graphs, self._norm, self._grads, self._addresses = [clip, step], norm, grads, addresses
+        return True
 
     def _same_gradients(self) -> bool:
         grads = [p.grad for p in self.params]
@@ -123,8 +145,7 @@ class GraphedOptimizerStep:
             return True
         if not self._warned:
             self._warned = True
-            changed = next(i for i, (g, c) in enumerate(zip(grads, self._grads)) if g is not c) \
-                if not all(map(_is, grads, self._grads)) else None
+            changed = next((i for i, (g, c) in enumerate(zip(grads, self._grads)) if g is not c), None)
             which = "a .grad's memory moved" if changed is None else (
                 f"parameter {changed}'s .grad is {'None' if grads[changed] is None else 'another tensor'}, "
                 f"{'None' if self._grads[changed] is None else 'a tensor'} at the capture")
@@ -147,7 +168,8 @@ def graph_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, 
                                 replay_stream=replay_stream)
 
 
-def _check(model: nn.Module, optimizer, num_warmup_iters) -> None:
+def refuse_ungraphable_step(model: nn.Module, optimizer, num_warmup_iters, max_grad_norm) -> None:
+    """What ``graph_optimizer_step`` cannot graph, refused with the fix (before anything is changed)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{WHAT}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(num_warmup_iters, int) or isinstance(num_warmup_iters, bool) or num_warmup_iters < 1:
@@ -161,8 +183,16 @@ def _check(model: nn.Module, optimizer, num_warmup_iters) -> None:
         raise RuntimeError(f"{WHAT} needs CUDA: CUDA graphs do not exist on CPU. Call optimizer.step() there.")
     for unit in units:
         require_fixed_addresses(unit, WHAT)
-    check_capturable_optimizer(optimizer, WHAT)
+    check_capturable_optimizer(optimizer, WHAT, "step it eagerly (without graph_optimizer_step / optimizer_graph)")
     owned = {id(p) for p in model.parameters()}
+    if max_grad_norm is not None:
+        stray = [n for n, p in model.named_parameters() if p.requires_grad and master_owner(p) is None]
+        if stray:
+            raise ValueError(
+                f"{WHAT}: max_grad_norm clips parameter '{stray[0]}', which belongs to no FSDP unit: its .grad is a "
+                "new tensor every step, which a graph cannot read. Call fsdp_graph.fully_shard(model) on the root "
+                "as well, or clip outside (max_grad_norm=None and fsdp_graph.clip_grad_norm_ before the call)."
+            )
     for i, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
             if param.requires_grad and (master_owner(param) is None or id(param) not in owned):
@@ -174,10 +204,11 @@ def _check(model: nn.Module, optimizer, num_warmup_iters) -> None:
                 )
 
 
-def _read_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every parameter whose ``.grad`` the graphs read: the optimizer's, and the model's (clipping)."""
+def _read_params(model: nn.Module, optimizer: torch.optim.Optimizer, clipping: bool) -> list[torch.Tensor]:
+    """Every parameter whose ``.grad`` the graphs read: the optimizer's, and with clipping the model's."""
     seen: dict[int, torch.Tensor] = {}
-    for param in chain((p for g in optimizer.param_groups for p in g["params"]), model.parameters()):
+    read = chain((p for g in optimizer.param_groups for p in g["params"]), model.parameters() if clipping else ())
+    for param in read:
         seen.setdefault(id(param), param)
     return list(seen.values())
 
@@ -190,24 +221,32 @@ def _addresses(grads: list) -> list[int]:
     return [0 if g is None else local_tensor(g).data_ptr() for g in grads]
 
 
-def _pre_hooks(optimizer) -> Iterator:
-    return chain(torch_optimizer._global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values())
-
-
-def _run_pre_hooks(optimizer) -> None:
-    """What ``optimizer.step()`` runs before its body (``Optimizer.profile_hook_step``), with no arguments."""
-    for hook in list(_pre_hooks(optimizer)):
-        if hook(optimizer, (), {}) is not None:
+def _run_pre_hooks(optimizer) -> bool:
+    """What ``optimizer.step()`` runs before its body (``Optimizer.profile_hook_step``); whether a hook
+    other than this package's own ran (the caller then checks again what the step reads)."""
+    foreign = False
+    for hook in list(chain(torch_optimizer._global_optimizer_pre_hooks.values(),
+                           optimizer._optimizer_step_pre_hooks.values())):
+        result = hook(optimizer, (optimizer,), {})
+        if result is not None and not _same_arguments(result, optimizer):
             raise RuntimeError(
-                f"{WHAT}: an optimizer step pre-hook returned new arguments for step(), which a captured step "
-                "cannot take. Return None from the hook, or step this optimizer eagerly."
+                f"{WHAT}: an optimizer step pre-hook returned new arguments for step() ({result!r}), which a "
+                "captured step cannot take. Return None from the hook, or step this optimizer eagerly."
             )
+        foreign = foreign or not getattr(hook, "__module__", "").startswith("fsdp_graph.")
+    return foreign
+
+
+def _same_arguments(result, optimizer) -> bool:
+    """A pre-hook's ``(args, kwargs)`` that change nothing: ``step()`` called as before, no closure."""
+    return (isinstance(result, tuple) and len(result) == 2 and tuple(result[0]) == (optimizer,)
+            and isinstance(result[1], dict) and all(v is None for v in result[1].values()))
 
 
 def _run_post_hooks(optimizer) -> None:
     for hook in list(chain(optimizer._optimizer_step_post_hooks.values(),
                            torch_optimizer._global_optimizer_post_hooks.values())):
-        hook(optimizer, (), {})
+        hook(optimizer, (optimizer,), {})
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         optimizer._opt_called = True  # (what the scheduler's wrapper of step() records)
 

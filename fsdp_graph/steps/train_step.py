@@ -205,10 +205,24 @@ class GraphedTrainStep:
         # does, so the graph overwrites the sharded gradients instead of adding to them.
         self.body.clear_grads()
         self._divide_factors = [unit.grads.divide_factor for unit in self.body.units]
+        self.captured_optimizer.refuse_tensor_hyperparameters()
+        keys = self.captured_optimizer.state_keys()
+        try:
+            graph, loss = capture_whole(
+                "make_train_step", lambda: self.body.run(tuple(self.inputs.tensors)), self.contexts, self.stream
+            )
+        finally:
+            made = self.captured_optimizer.drop_state_made_since(keys)
+        if made:
+            raise RuntimeError(
+                f"make_train_step: {made} parameter(s) got their first gradient in the captured step, so the "
+                "optimizer made their state inside the graph, which would reset it at every replay. Raise "
+                f"GraphConfig.num_warmup_iters (now {self.num_warmup_iters}) until every trained parameter gets a "
+                "gradient in an eager warm-up step, or use strategy='layer' (optimizer_graph=True makes such a step "
+                "eagerly first)."
+            )
         self.captured_optimizer.freeze()
-        self.graph, self.static_loss = capture_whole(
-            "make_train_step", lambda: self.body.run(tuple(self.inputs.tensors)), self.contexts, self.stream
-        )
+        self.graph, self.static_loss = graph, loss
         self._unused = [unit.grads.use.unused for unit in self.body.units]
 
     def _refuse_post_accumulate_hooks(self) -> None:
