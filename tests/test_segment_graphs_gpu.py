@@ -7,8 +7,13 @@ So do a block too wide for the slots, a hand-written loop that calls ``graph_seg
 eager steps (``zero_grad(set_to_none=False)``, so the graphs add into gradients that are kept) and
 an HF Llama (keyword arguments shared by its decoder layers).
 Evaluation with gradients off runs the blocks' FSDP steps by hand and equals eager's.
-Then the refusals a user can meet at replay, each naming the fix. Runs on two GPUs (NCCL) where
-there are two, else on one.
+Then the refusals a user can meet, each naming the fix: at replay (another input, shape,
+``requires_grad``, autocast, frozen parameters, other arguments for a later block, a reentrant
+checkpoint's recompute, a changed divide factor, a post-accumulate-grad hook, an eager block holding
+its parameters unsharded in a slot the segment writes, ``no_sync``, a replaced ``.grad``, a skipped
+block, a pending backward) and while graphing (a sample without gradient, blocks of two models, a
+block returning a tuple, a block whose input gets no gradient). Runs on two GPUs (NCCL) where there
+are two, else on one.
 """
 
 from __future__ import annotations
@@ -203,3 +208,79 @@ def _refusals(info) -> None:
 
 def test_segment_refusals_name_the_fix():
     run_ranks(_refusals, 1)
+
+
+def _hidden(info, batch: int = 4, requires_grad: bool = True) -> torch.Tensor:
+    return torch.randn(batch, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16,
+                       requires_grad=requires_grad)
+
+
+def _replay_refusals(info) -> None:
+    """The refusals a segment makes when it is called, each on a freshly graphed model."""
+    x = _hidden(info)
+    model = _segmented(info)
+    with pytest.raises(ValueError, match=r"is shape \(2, .*pad the input to the captured shape"):
+        model.blocks[0](_hidden(info, batch=2))
+    with pytest.raises(ValueError, match="has requires_grad=False, but was captured with requires_grad=True"):
+        model.blocks[0](_hidden(info, requires_grad=False))
+    with torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="autocast is .* at capture"):
+        model.blocks[0](x)
+    master = units_in(model.blocks[0])[0].params[0].master
+    master.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="require a gradient changed since the capture.*Freeze or unfreeze"):
+        model.blocks[0](x)
+    master.requires_grad_(True)
+    out = model.blocks[0](x)
+    with pytest.raises(RuntimeError, match="called with other arguments \\(besides its input\\).*segment_size=1"):
+        model.blocks[1](out, 2.0)
+    del out
+    # Activation checkpointing that reruns the forward inside the backward (reentrant).
+    model = _segmented(info)
+    pair = lambda h: model.blocks[1](model.blocks[0](h))  # noqa: E731
+    loss = torch.utils.checkpoint.checkpoint(pair, x, use_reentrant=True).float().sum()
+    with pytest.raises(RuntimeError, match="forward ran inside a backward.*segment_size=1"):
+        loss.backward()
+    # Settings the backward graph holds as they were at the capture.
+    idx, targets = _batch(0, info)
+    model = _segmented(info)
+    model.blocks[0].set_gradient_divide_factor(2.0)
+    with pytest.raises(RuntimeError, match="set_gradient_divide_factor was called on FSDP unit .* Set it before"):
+        model(idx, targets)[1].backward()
+    model = _segmented(info)
+    units_in(model.blocks[0])[0].params[0].master.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(RuntimeError, match="post-accumulate-grad hook, Python that a graph cannot replay"):
+        model(idx, targets)[1].backward()
+    # An eager block holding its parameters unsharded (module.unshard()) in a slot a segment writes.
+    model = _build(info, oversized_block=False)
+    model(idx, targets)[1].backward()  # (an eager step first: block 0 has run, and holds a slot)
+    blocks = list(model.blocks)
+    fsdp_graph.graph_segments(blocks[1:3], [(_hidden(info),)] * 2, segment_size=2, num_warmup_iters=1)
+    model.blocks[0].unshard()
+    with pytest.raises(RuntimeError, match="holds its parameters unsharded .* Call its reshard\\(\\)"):
+        model.blocks[2](model.blocks[1](x))
+
+
+def _graphing_refusals(info) -> None:
+    """What graph_segments refuses while graphing (needs CUDA: the model must be on a GPU first)."""
+    model = _build(info, oversized_block=False)
+    with pytest.raises(ValueError, match="hidden state as the first positional argument, a tensor that requires grad"):
+        fsdp_graph.graph_segments(list(model.blocks), [(_hidden(info, requires_grad=False),)] * CFG.n_layers,
+                                  segment_size=2)
+    other = _build(info, oversized_block=False)
+    with pytest.raises(ValueError, match="belong to different FSDP roots.*in a call of its own"):
+        fsdp_graph.graph_segments([model.blocks[0], other.blocks[1]], [(_hidden(info),)] * 2, segment_size=2)
+    model = _build(info, oversized_block=False)
+    block = model.blocks[1]
+    block.forward = lambda h, _forward=block.forward: (_forward(h),)  # a tuple, not the next block's input
+    with pytest.raises(TypeError, match="block 1 of segment modules 0..1 returned a tuple.*graph_modules"):
+        fsdp_graph.graph_segments(list(model.blocks), [(_hidden(info),)] * CFG.n_layers, segment_size=2)
+    model = _build(info, oversized_block=False)
+    block = model.blocks[1]
+    block.forward = lambda h, _forward=block.forward: _forward(h.detach())  # block 0 gets no gradient
+    with pytest.raises(RuntimeError, match="did not finish its backward .*previous block's output"):
+        fsdp_graph.graph_segments(list(model.blocks), [(_hidden(info),)] * CFG.n_layers, segment_size=2)
+
+
+def test_segment_refusals_at_replay_and_while_graphing_name_the_fix():
+    run_ranks(_replay_refusals, 1)
+    run_ranks(_graphing_refusals, 1)

@@ -2,9 +2,9 @@
 
 Outside a whole-step graph the optimizer step is eager Python over every master: fused AdamW's
 ``_init_group`` and the swap to local shards cost about 1 ms of host time per step on the small
-preset (one H100's host), a fifth of a segment-graphed step's. Its kernels read only tensors that can stay at fixed addresses (the
-masters, the optimizer state, the learning rates as device tensors, the sharded gradients once
-pinned), so it is captured once and replayed:
+preset (one H100's host), a fifth of a segment-graphed step's. Its kernels read only tensors that
+can stay at fixed addresses (the masters, the optimizer state, the learning rates as device
+tensors, the sharded gradients once pinned), so it is captured once and replayed:
 
     opt_step = fsdp_graph.graph_optimizer_step(model, optimizer, max_grad_norm=1.0)
     for batch in loader:
