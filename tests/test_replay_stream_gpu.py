@@ -1,5 +1,8 @@
 """GPU: graphs replayed on a stream the caller gives (``replay_on``, ``GraphConfig.replay_stream``)
-train bitwise as eager, under ``layer`` (with and without a join event) and ``full_iteration``.
+train bitwise as eager, under ``layer`` (with and without a join event) and ``full_iteration``;
+forward-only layer graphs joined early evaluate as eager; an HF Llama trains bitwise as eager, 20
+steps, with per-layer graphs, segments with the optimizer graph, and the whole step replayed on a
+``GraphConfig(replay_stream=)`` while the caller's stream does other work.
 
 Each block's forward records the join event after its output and then runs a *tail*: a long
 sleep, then a read of one of its unsharded weights into a buffer. Under a join event the caller's
@@ -11,6 +14,7 @@ do not, which shows the test can see the race it guards against."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -163,3 +167,79 @@ def test_a_join_event_the_forward_never_records_is_refused_before_anything_is_in
                                  replay_stream=torch.cuda.Stream(), join_event=stray)
     assert "forward" not in module.__dict__ and pinned_by(module) is None
     fsdp_graph.graph_modules([module], [(torch.zeros(8, 64, device="cuda"),)])  # graphed as usual afterwards
+
+
+def _evaluate(info, graphed: bool, side: bool):
+    """Evaluation forwards of the tailed GPT: eager, or forward-only layer graphs replayed on a side
+    stream that the caller's stream joins at each block's join event."""
+    join_event = fsdp_graph.JoinEvent()
+    model = _build(info, join_event)
+    config = GraphConfig(forward_only="layer", num_warmup_iters=WARMUP) if graphed else GraphConfig()
+    evaluate = fsdp_graph.make_eval_step(model, config=config, example_args=(_batch(0, info)[0],))
+    stream = torch.cuda.Stream(info.device) if side else None
+    logits, readings = [], []
+    for i in range(4):
+        with fsdp_graph.replay_on(stream, join_event=join_event if side else None):
+            logits.append(evaluate(_batch(i, info)[0])[0].clone())
+        readings.append(torch.stack([block.tail_reading.clone() for block in model.blocks]))
+    return torch.stack(logits), torch.stack(readings)
+
+
+def _forward_only_joins_match_eager(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    eager = _evaluate(info, graphed=False, side=False)
+    logits, readings = _evaluate(info, graphed=True, side=True)
+    assert torch.equal(logits, eager[0]), "forward-only graphs joined early: outputs differ from eager"
+    assert torch.equal(readings, eager[1]), "forward-only graphs joined early: the tails read other weights"
+    replay_stream.note_replay_tail = lambda stream, event: None  # the negative control, as in training
+    logits, readings = _evaluate(info, graphed=True, side=True)
+    assert not torch.equal(readings, eager[1]), "the race this test guards against did not show without the wait"
+
+
+def test_forward_only_graphs_joined_early_evaluate_as_eager():
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_forward_only_joins_match_eager, min(2, torch.cuda.device_count()))
+
+
+def _hf_on_a_config_stream(info, config: GraphConfig | None, stream: torch.cuda.Stream | None):
+    from examples.hf_models import build_hf, hf_batch
+
+    model = build_hf("llama", "tiny", device=info.device)
+    model.config.use_cache = False
+    policy = fsdp_graph.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fsdp_graph.hf.shard_model(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
+    if config is not None and config.strategy == "layer":
+        config = replace(config, modules=type(fsdp_graph.hf.decoder_layers(model)[0]))
+    vocab = model.config.vocab_size
+
+    def batch(step):
+        return hf_batch(vocab, 4 * info.world_size, 64, step).chunk(info.world_size)[info.rank].to(info.device)
+
+    step = fsdp_graph.make_train_step(lambda ids: model(input_ids=ids, labels=ids).loss, model, opt,
+                                      config=config, max_grad_norm=1.0, example_batch=(batch(0),))
+    other = torch.randn(1024, 1024, device=info.device)
+    losses = []
+    for s in range(20):
+        losses.append(step(batch(s)).detach().clone())
+        other = torch.tanh(other @ other)  # independent work on the caller's stream meanwhile
+    return torch.stack(losses), fsdp_graph.full_state_dict(model)
+
+
+def _hf_every_graph_kind_on_a_side_stream(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    eager = _hf_on_a_config_stream(info, None, None)
+    for fields in ({"strategy": "layer"}, {"strategy": "layer", "segment_size": 2, "optimizer_graph": True},
+                   {"strategy": "full_iteration"}):
+        stream = torch.cuda.Stream(info.device)
+        config = GraphConfig(num_warmup_iters=WARMUP, replay_stream=stream, **fields)
+        losses, state = _hf_on_a_config_stream(info, config, stream)
+        assert torch.equal(losses, eager[0]), f"HF Llama, {fields} on a side stream: {losses.tolist()} vs eager"
+        for key, value in eager[1].items():
+            assert torch.equal(state[key], value), f"HF Llama, {fields} on a side stream: {key} differs from eager"
+
+
+def test_an_hf_model_trains_as_eager_with_every_graph_kind_on_a_side_stream():
+    pytest.importorskip("transformers")
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_hf_every_graph_kind_on_a_side_stream, min(2, torch.cuda.device_count()))
