@@ -201,12 +201,18 @@ def _check_whole(model: nn.Module, what: str, training: bool) -> None:
             )
     if training:
         refuse_offloaded([model], [what])
-        stray = [n for n, p in model.named_parameters() if p.requires_grad and master_owner(p) is None]
+        stray = trainable_outside_units(model)
         if stray:
             raise ValueError(
                 f"{what}: parameter '{stray[0]}' belongs to no FSDP unit, so no persistent buffer holds its "
                 "gradient between replays. Call fsdp_graph.fully_shard(model) on the root as well."
             )
+
+
+def trainable_outside_units(model: nn.Module) -> list[str]:
+    """Names of the trainable parameters no FSDP unit manages: autograd makes their ``.grad`` anew
+    each step, so no graph can read it at a fixed address."""
+    return [n for n, p in model.named_parameters() if p.requires_grad and master_owner(p) is None]
 
 
 def check_capturable_optimizer(optimizer: torch.optim.Optimizer | None, what: str = "make_train_step",

@@ -33,6 +33,7 @@ tensors, the sharded gradients once pinned), so it is captured once and replayed
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,7 +49,7 @@ from ..graphs.host_sync import no_host_sync
 from ..graphs.replay_stream import replay_target, replay_whole, whole_target
 from ..graphs.whole_graph import capture_whole
 from .captured_optimizer import CapturedOptimizer
-from .graph_config import check_capturable_optimizer
+from .graph_config import check_capturable_optimizer, trainable_outside_units
 
 WHAT = "graph_optimizer_step"
 
@@ -61,10 +62,10 @@ class GraphedOptimizerStep:
                  num_warmup_iters: int = 3, replay_stream: torch.cuda.Stream | None = None) -> None:
         refuse_ungraphable_step(model, optimizer, num_warmup_iters, max_grad_norm)
         self.model, self.optimizer, self.max_grad_norm = model, optimizer, max_grad_norm
-        self.units = units_in(model)
-        for unit in self.units:
+        units = units_in(model)
+        for unit in units:
             unit.grads.pin_sharded()  # the graph reads the gradients at fixed addresses
-        self.device = self.units[0].device
+        self.device = units[0].device
         self.params = _read_params(model, optimizer, max_grad_norm is not None)
         self.captured_optimizer = CapturedOptimizer(
             optimizer, self.device, WHAT, "build it again (graph_optimizer_step, or make_train_step)")
@@ -141,7 +142,7 @@ class GraphedOptimizerStep:
 
     def _same_gradients(self) -> bool:
         grads = [p.grad for p in self.params]
-        if all(map(_is, grads, self._grads)) and _addresses(grads) == self._addresses:
+        if all(map(operator.is_, grads, self._grads)) and _addresses(grads) == self._addresses:
             return True
         if not self._warned:
             self._warned = True
@@ -186,7 +187,7 @@ def refuse_ungraphable_step(model: nn.Module, optimizer, num_warmup_iters, max_g
     check_capturable_optimizer(optimizer, WHAT, "step it eagerly (without graph_optimizer_step / optimizer_graph)")
     owned = {id(p) for p in model.parameters()}
     if max_grad_norm is not None:
-        stray = [n for n, p in model.named_parameters() if p.requires_grad and master_owner(p) is None]
+        stray = trainable_outside_units(model)
         if stray:
             raise ValueError(
                 f"{WHAT}: max_grad_norm clips parameter '{stray[0]}', which belongs to no FSDP unit: its .grad is a "
@@ -211,10 +212,6 @@ def _read_params(model: nn.Module, optimizer: torch.optim.Optimizer, clipping: b
     for param in read:
         seen.setdefault(id(param), param)
     return list(seen.values())
-
-
-def _is(a, b) -> bool:
-    return a is b
 
 
 def _addresses(grads: list) -> list[int]:

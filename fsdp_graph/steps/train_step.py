@@ -68,7 +68,7 @@ class TrainStep:
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
         self.units = units_in(model)
-        self.optimizer_step: Callable[[], None] | None = None  # clip + step as graphs (optimizer_graph=True)
+        self.optimizer_step: Callable[[], object] | None = None  # clip + step as graphs (optimizer_graph=True)
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         return self.run(batch)
