@@ -18,14 +18,26 @@ Restored tensors keep the saved tensors' sizes and strides, so the backward runs
 and is bitwise equal to the one without offload. A saved tensor modified in place after it was
 saved (which autograd refuses at backward) is refused here too, where it is still alive.
 
-Eager modules only, for now: a training graph of an offloaded module is refused
-(``refuse_offloaded``); offload under graphs is designed in ``docs/side_stream_and_offload.md``.
+Under CUDA graphs (per-layer graphs and the whole step; ``docs/side_stream_and_offload.md``) the
+same hooks run in the warm-up passes and in the capture, which records the copies:
+
+* a graph writes fixed host addresses, so each graph owns a ``HostPlan``: one pinned buffer per
+  offloaded tensor, in pass order, allocated by the first warm-up pass and only taken by the
+  capture (which refuses a tensor the warm-up did not save);
+* under capture, ``record_stream`` would keep the allocator from reusing a block before the
+  capture ends, so the device tensor is instead held until the compute stream waited for its copy
+  (``_release``), then dropped, and its pool memory is reused at once;
+* the way back forks the fetch stream from the capture stream into memory of the graph's pool;
+  every stream forked in a capture is joined before it ends (``_join``).
+
+Segments of several blocks (``graph_segments``) refuse offloaded blocks (``refuse_offloaded``).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import NamedTuple
 
 import torch
@@ -35,34 +47,74 @@ from torch.utils._pytree import tree_leaves
 OFFLOAD_MARK = "_fsdp_graph_activation_offload"  # on an offloaded module: its ActivationOffload
 
 
+class HostPlan:
+    """The pinned host buffers one graph's copies write (one group of layer graphs, or one whole
+    step): one per offloaded tensor, in the order a pass saves them. Warm-up passes allocate what
+    is missing; the capture only takes, so a replay always writes memory that lives as long as
+    the plan (held by the graphs)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.buffers: list[torch.Tensor] = []
+        self.cursor = 0
+
+    def start_pass(self) -> None:
+        self.cursor = 0
+
+    def take(self, like: torch.Tensor, capturing: bool) -> torch.Tensor:
+        i, self.cursor = self.cursor, self.cursor + 1
+        if i < len(self.buffers):
+            buffer = self.buffers[i]
+            if buffer.size() == like.size() and buffer.stride() == like.stride() and buffer.dtype == like.dtype:
+                return buffer
+        if capturing:
+            raise RuntimeError(
+                f"{self.what}: activation offload: the captured pass saved tensor #{i} ({tuple(like.shape)}, "
+                f"{like.dtype}) for backward, but the warm-up passes saved "
+                f"{'a different one there' if i < len(self.buffers) else f'only {len(self.buffers)}'}. A graph "
+                "needs the same saved tensors in every pass: give every warm-up pass the shapes of the graphed "
+                "steps, or leave the module whose saves change out of the offload selection."
+            )
+        buffer = torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, pin_memory=True)
+        self.buffers[i:i + 1] = [buffer]
+        return buffer
+
+
 class _Saved:
     """One offloaded tensor: its host copy, and its device copy once fetched. Held only by the
     saved variables of autograd's graph, so both copies go when the backward has used them."""
 
     __slots__ = ("call", "size", "stride", "dtype", "version", "alive", "host", "offloaded", "device_tensor",
-                 "fetched", "__weakref__")
+                 "fetched", "fetched_in", "pending", "__weakref__")
 
-    def __init__(self, call: _Call, tensor: torch.Tensor) -> None:
+    def __init__(self, call: _Call, tensor: torch.Tensor, host: torch.Tensor) -> None:
         self.call = call
         self.size, self.stride, self.dtype = tensor.size(), tensor.stride(), tensor.dtype
         self.version = tensor._version
         self.alive = weakref.ref(tensor)  # to refuse an in-place change made after it was saved
-        self.host = torch.empty_strided(self.size, self.stride, dtype=self.dtype, pin_memory=True)
+        self.host = host
         self.offloaded: torch.cuda.Event | None = None
         self.device_tensor: torch.Tensor | None = None
         self.fetched: torch.cuda.Event | None = None
+        self.fetched_in: object | None = None  # the capture that fetched it (None: eager)
+        self.pending: torch.Tensor | None = None  # under capture: the device tensor, until its copy is waited for
 
 
 class _Call:
-    """One forward call of a chosen module: what it saved (weakly), and the chosen call before it."""
+    """One forward call of a chosen module: what it saved (weakly), the chosen call before it, and
+    under graphs the plan its host buffers come from."""
 
-    __slots__ = ("module_name", "saved", "by_id", "previous", "__weakref__")
+    __slots__ = ("module_name", "saved", "by_id", "previous", "plan", "keep", "fetched_by", "__weakref__")
 
-    def __init__(self, module_name: str, previous: _Call | None) -> None:
+    def __init__(self, module_name: str, previous: _Call | None, plan: HostPlan | None = None,
+                 keep: frozenset[int] = frozenset()) -> None:
         self.module_name = module_name
         self.saved: list[weakref.ref] = []
         self.by_id: dict[int, weakref.ref] = {}  # id(tensor) -> its _Saved: a tensor saved twice goes once
         self.previous = weakref.ref(previous) if previous is not None else None
+        self.plan = plan
+        self.keep = keep  # storages left in place (a layer graph's static inputs: persistent anyway)
+        self.fetched_by: _Call | None = None  # under capture: the call whose backward fetched this one's tensors
 
     def alive(self) -> list[_Saved]:
         return [s for s in (ref() for ref in self.saved) if s is not None]
@@ -93,14 +145,27 @@ class ActivationOffload:
         self._fetch_stream: torch.cuda.Stream | None = None
         self._open: list[tuple[nn.Module, _Call, torch.autograd.graph.saved_tensors_hooks]] = []
         self._last: weakref.ref | None = None  # the latest chosen call of the forward
+        self._plan: HostPlan | None = None  # set around a whole step's warm-up and capture (``planned``)
+        self._capture: object | None = None  # a token while a capture records the copies, else None
+        self._forked: list[torch.cuda.Stream] = []  # streams forked in that capture, joined before it ends
+        self._pending: list[_Saved] = []  # under capture: offloaded tensors whose copy is not waited for yet
+        self.owned: set[int] = set()  # ids of modules whose graphs record their offload: the hooks step aside
         self._handles = []
         self.modules = list(modules)
+        self._names = list(names)
         for module, name in zip(self.modules, names):
             self._handles.append(module.register_forward_pre_hook(self._opener(name)))
             self._handles.append(module.register_forward_hook(self._close, always_call=True))
             setattr(module, OFFLOAD_MARK, self)
 
     def remove(self) -> None:
+        owned = [name for module, name in zip(self.modules, self._names) if id(module) in self.owned]
+        if owned:
+            raise RuntimeError(
+                f"offload_activations: {owned[0]} is graphed with its offload captured: its graphs copy its "
+                "activations at every replay, and remove() cannot take the copies out of them. Build the model "
+                "and its graphs again without offload."
+            )
         for handle in self._handles:
             handle.remove()
         for module in self.modules:
@@ -111,11 +176,10 @@ class ActivationOffload:
     # -- forward ------------------------------------------------------------------------
     def _opener(self, name: str):
         def open_call(module: nn.Module, args) -> None:
-            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
-                return  # nothing is saved (no_grad), or a recompute inside backward uses it at once
-            last = self._last() if self._last is not None else None
-            call = _Call(name, last)
-            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), self._unpack)
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1 or id(module) in self.owned:
+                return  # nothing is saved (no_grad), a recompute inside backward uses it at once, or a graph copies
+            call = self._new_call(name, self._plan)
+            hooks = self._hooks(call)
             hooks.__enter__()
             self._open.append((module, call, hooks))
 
@@ -126,6 +190,8 @@ class ActivationOffload:
             return  # its pre-hook opened nothing
         _, call, hooks = self._open.pop()
         hooks.__exit__(None, None, None)
+        if self._capture is not None:
+            self._release(but=call)  # the copies of the calls before it overlapped it; their memory is free now
         if not call.saved:
             return
         self._last = weakref.ref(call)
@@ -136,12 +202,90 @@ class ActivationOffload:
                 continue
             tensor.register_hook(_BackwardStarts(self, call))
 
+    def _new_call(self, name: str, plan: HostPlan | None, keep: frozenset[int] = frozenset()) -> _Call:
+        return _Call(name, self._last() if self._last is not None else None, plan, keep)
+
+    def _hooks(self, call: _Call) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), self._unpack)
+
+    # -- under graphs ----------------------------------------------------------------------
+    @contextmanager
+    def _capturing(self, capturing: bool) -> Iterator[None]:
+        """While a capture records the copies: a token for it; on a normal exit, every stream it
+        forked joins the capture stream (a capture must end joined)."""
+        if not capturing:
+            yield
+            return
+        self._capture = object()
+        try:
+            yield
+            self._join()
+        except BaseException:
+            self._join()  # (so the capture can end, and the error that broke it is the one raised)
+            raise
+        finally:
+            self._capture, self._forked, self._pending = None, [], []
+
+    def _fork(self, stream: torch.cuda.Stream) -> None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        if self._capture is not None and stream not in self._forked:
+            self._forked.append(stream)
+
+    def _release(self, but: _Call | None = None) -> None:
+        """Under capture: the compute stream waits for the copies of the pending tensors (except
+        ``but``'s), whose memory then goes back to the pool. The offload stream copies in order,
+        so the last copy's event covers the earlier ones."""
+        done = [s for s in self._pending if s.call is not but]
+        if not done:
+            return
+        torch.cuda.current_stream(done[-1].pending.device).wait_event(done[-1].offloaded)
+        for s in done:
+            s.pending = None
+        self._pending = [s for s in self._pending if s.call is but]
+
+    def _join(self) -> None:
+        self._release()
+        for stream in self._forked:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        self._forked = []
+
+    @contextmanager
+    def graph_forward(self, name: str, plan: HostPlan, capturing: bool, keep: frozenset[int]) -> Iterator[_Call]:
+        """One layer graph's forward pass (warm-up or capture): its saved tensors offloaded from
+        ``plan``'s buffers; under capture the graph ends when its copies have."""
+        call = self._new_call(name, plan, keep)
+        with self._capturing(capturing), self._hooks(call):
+            yield call
+        if call.saved:
+            self._last = weakref.ref(call)
+
+    @contextmanager
+    def graph_backward(self, call: _Call, capturing: bool) -> Iterator[None]:
+        """One layer graph's backward pass: its tensors fetched (unless the backward before it did)
+        and the previous call's prefetched, on the fetch stream, joined before the graph ends."""
+        with self._capturing(capturing):
+            self.backward_starts(call)
+            yield
+
+    @contextmanager
+    def planned(self, plan: HostPlan, capturing: bool) -> Iterator[None]:
+        """A whole step's warm-up or capture: the eager hooks take host buffers from ``plan``."""
+        plan.start_pass()
+        self._plan = plan
+        try:
+            with self._capturing(capturing):
+                yield
+        finally:
+            self._plan = None
+
     def _pack(self, call: _Call, tensor: torch.Tensor):
         """A saved tensor goes to host memory whole, or as a view of its base (q, k and v split from
         one projection: the base goes once)."""
         base = tensor if tensor._base is None else tensor._base
-        if (not base.is_cuda or base.numel() * base.element_size() < self.min_bytes or _is_parameter(base)
-                or not _dense(base)):
+        # A scalar stays: an RNG seed or offset, which a capture keeps on the device and an eager pass on the host.
+        if (not base.is_cuda or base.numel() <= 1 or base.numel() * base.element_size() < self.min_bytes
+                or _is_parameter(base)
+                or not _dense(base) or (call.keep and base.untyped_storage().data_ptr() in call.keep)):
             return tensor
         known = call.by_id.get(id(base))  # (an id is reused once its tensor is gone: checked below)
         saved = known() if known is not None else None
@@ -152,13 +296,22 @@ class ActivationOffload:
         return _View(saved, tensor.size(), tensor.stride(), tensor.storage_offset() - base.storage_offset())
 
     def _offload(self, call: _Call, tensor: torch.Tensor) -> _Saved:
-        saved = _Saved(call, tensor)
+        capturing = self._capture is not None
+        if not capturing and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(_unmanaged_capture(call.module_name))
+        host = (call.plan.take(tensor, capturing) if call.plan is not None
+                else torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, pin_memory=True))
+        saved = _Saved(call, tensor, host)
         stream = self._streams(tensor.device)[0]
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        self._fork(stream)
         with torch.cuda.stream(stream):
             saved.host.copy_(tensor, non_blocking=True)
             saved.offloaded = stream.record_event()
-        tensor.record_stream(stream)  # its memory is reused once the copy has read it
+        if capturing:
+            saved.pending = tensor  # held until the compute stream waited for the copy (``_release``)
+            self._pending.append(saved)
+        else:
+            tensor.record_stream(stream)  # its memory is reused once the copy has read it
         call.saved.append(weakref.ref(saved))
         call.by_id[id(tensor)] = call.saved[-1]
         return saved
@@ -176,7 +329,9 @@ class ActivationOffload:
         self._last = None
         self.fetch(call.alive())
         previous = call.previous() if call.previous is not None else None
-        if previous is not None:
+        if previous is not None and previous.plan is call.plan:  # (a graph may only fetch into its own pool)
+            if self._capture is not None and any(s.device_tensor is None for s in previous.alive()):
+                previous.fetched_by = call
             self.fetch(previous.alive())
 
     def fetch(self, saved: list[_Saved]) -> None:
@@ -185,15 +340,24 @@ class ActivationOffload:
         if not todo:
             return
         stream = self._fetch_stream
+        if self._capture is not None:
+            # Under capture: after every pending copy (the compute stream waits for them), forked
+            # from the capture stream, into pool memory of the compute stream.
+            self._release()
+            devices = [torch.empty_strided(s.size, s.stride, dtype=s.dtype, device=stream.device) for s in todo]
+            self._fork(stream)
         with torch.cuda.stream(stream):
-            for s in todo:
-                stream.wait_event(s.offloaded)
-                device = torch.empty_strided(s.size, s.stride, dtype=s.dtype, device=stream.device)
+            for i, s in enumerate(todo):
+                if self._capture is None:
+                    stream.wait_event(s.offloaded)
+                    device = torch.empty_strided(s.size, s.stride, dtype=s.dtype, device=stream.device)
+                else:
+                    device = devices[i]
                 device.copy_(s.host, non_blocking=True)
                 s.device_tensor = device
             fetched = stream.record_event()
         for s in todo:
-            s.fetched = fetched
+            s.fetched, s.fetched_in = fetched, self._capture
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
@@ -211,11 +375,22 @@ class ActivationOffload:
             self.fetch([saved, *saved.call.alive()])  # no prefetch reached this call (its outputs got no gradient)
         tensor = saved.device_tensor
         current = torch.cuda.current_stream(tensor.device)
-        current.wait_event(saved.fetched)
-        tensor.record_stream(current)  # (allocated on the fetch stream, read on this one)
+        if saved.fetched_in is self._capture:  # (fetched by an earlier graph: that graph ended joined)
+            current.wait_event(saved.fetched)
+        if self._capture is None:
+            tensor.record_stream(current)  # (allocated on the fetch stream, read on this one)
         if isinstance(packed, _View):
             return tensor.as_strided(packed.size, packed.stride, packed.offset)
         return tensor
+
+
+def _unmanaged_capture(module_name: str) -> str:
+    return (
+        f"activation offload ({module_name}): this forward is being captured into a CUDA graph that fsdp_graph "
+        "did not set up for offload, so its copies would write host memory nobody keeps. Graph offloaded modules "
+        "with graph_modules or make_train_step (strategy 'layer' or 'full_iteration'), or remove() the offload "
+        "before capturing."
+    )
 
 
 class _View(NamedTuple):
@@ -265,14 +440,43 @@ def offload_activations(modules: Sequence[nn.Module], *, min_bytes: int = 1 << 2
     return ActivationOffload(modules, [f"module {i} ({type(m).__name__})" for i, m in enumerate(modules)], min_bytes)
 
 
-def refuse_offloaded(modules: Sequence[nn.Module], names: Sequence[str]) -> None:
-    """A training graph of an offloaded module would capture the copies and the host allocations
-    (not built yet): refused, naming the fix."""
+def add_host_plans(model: nn.Module, plans: dict[int, tuple[ActivationOffload, HostPlan]], what: str) -> None:
+    """A whole-step graph's plans: one per offload installed in ``model``, added as they appear."""
+    for module in model.modules():
+        offload = getattr(module, OFFLOAD_MARK, None)
+        if offload is not None and id(offload) not in plans:
+            plans[id(offload)] = (offload, HostPlan(what))
+
+
+@contextmanager
+def offload_passes(plans: dict[int, tuple[ActivationOffload, HostPlan]], capturing: bool) -> Iterator[None]:
+    """A whole step's warm-up (``capturing=False``) or capture: every offload takes its host buffers
+    from its plan; under capture, its streams join the capture stream at the end."""
+    with ExitStack() as stack:
+        for offload, plan in plans.values():
+            stack.enter_context(offload.planned(plan, capturing))
+        yield
+
+
+def refuse_offloaded(modules: Sequence[nn.Module], names: Sequence[str], *, graphs_own_offload: bool) -> None:
+    """Offload inside a training graph, where it cannot work, refused naming the fix: in a segment
+    of several blocks at all (``graphs_own_offload=False``), in a per-layer graph on a module
+    inside the graphed one (its hooks would run once, at capture)."""
     for module, name in zip(modules, names):
-        if any(getattr(sub, OFFLOAD_MARK, None) is not None for sub in module.modules()):
+        if not isinstance(module, nn.Module):
+            continue  # (refused by the caller's own check)
+        inner = [sub for sub in module.modules() if getattr(sub, OFFLOAD_MARK, None) is not None
+                 and not (graphs_own_offload and sub is module)]
+        if not inner:
+            continue
+        if graphs_own_offload:
             raise ValueError(
-                f"{name}: a module in the training graph offloads its activations (offload_activations), and "
-                "offload under training graphs is not built yet. Graph it without offload (remove() on the handle "
-                "offload_activations returned), or keep the offloaded modules eager (strategy='layer' with "
-                "modules= leaving them out, or strategy='none')."
+                f"{name}: a module inside it offloads its activations (offload_activations), but a per-layer graph "
+                "records the offload of the graphed module itself only. Offload the graphed modules (the same "
+                "selection as the graphs), or graph the offloaded modules themselves."
             )
+        raise ValueError(
+            f"{name}: a block of this segment offloads its activations (offload_activations), which segments of "
+            "several blocks do not record. Use per-layer graphs (segment_size=1) or the whole step "
+            "(strategy='full_iteration') with offload, or remove() the offload."
+        )

@@ -40,6 +40,7 @@ import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from ..fsdp.capture_interface import pin_addresses
+from .activation_offload import OFFLOAD_MARK, HostPlan
 from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .host_sync import no_host_sync
 from .replay_stream import check_target, recording_joins, replay_target
@@ -131,6 +132,8 @@ class CaptureTarget:
         self.sample = (tuple(args), dict(kwargs))
         self.hooks = hooks
         self.fwd_graph = self.bwd_graph = None
+        self.offload = getattr(self.module, OFFLOAD_MARK, None)  # its ActivationOffload, if offloaded
+        self.plan: HostPlan | None = None  # the group's host buffers, when some module is offloaded
 
     # -- capture-time hooks ----------------------------------------------------------------
     def run_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -181,6 +184,7 @@ class ForwardPass:
     param_places: list
     real_params: list[nn.Parameter]  # the module's parameters, which autograd sees at replay
     joins: dict  # the JoinEvents the forward recorded (captured: each with its CUDA event)
+    offload_call: Any = None  # an offloaded module's call (activation_offload._Call): what it saved
 
 
 def _capturing(graph, pool, stream):
@@ -205,13 +209,23 @@ def forward_pass(call: CaptureTarget, graph=None, pool=None, stream=None) -> For
     for holder, attr, _, p in places:
         holder[attr] = stand_ins[id(p)]
     try:
-        with recording_joins() as joins, _capturing(graph, pool, stream):
+        with recording_joins() as joins, _capturing(graph, pool, stream), _offloaded(call, leaves, graph) as saved:
             outputs = call.fn(*args, **kwargs)
     finally:
         for holder, attr, _, p in places:
             holder[attr] = p
     call.run_forward(args, outputs)
-    return ForwardPass(spec, leaves, args, kwargs, outputs, [stand_ins[id(p)] for p in params], places, params, joins)
+    return ForwardPass(spec, leaves, args, kwargs, outputs, [stand_ins[id(p)] for p in params], places, params, joins,
+                       saved)
+
+
+def _offloaded(call: CaptureTarget, leaves: list, graph):
+    """An offloaded module's forward: its saved tensors go to the group's host buffers (not its
+    static inputs, which stay where they are); under capture the copies are recorded."""
+    if call.plan is None:  # (not offloaded, or a forward-only graph: nothing is saved)
+        return nullcontext()
+    keep = frozenset(x.untyped_storage().data_ptr() for x in leaves if isinstance(x, torch.Tensor))
+    return call.offload.graph_forward(call.name, call.plan, graph is not None, keep)
 
 
 def _tensors(fwd: ForwardPass) -> tuple[list, list]:
@@ -235,7 +249,9 @@ def backward_pass(call: CaptureTarget, fwd: ForwardPass, graph=None, pool=None, 
     result = None
     if out_positions and in_positions:
         grad_outputs = [torch.zeros_like(outputs[i]) for i in out_positions]  # static, allocated outside the capture
-        with _capturing(graph, pool, stream):
+        fetching = nullcontext() if fwd.offload_call is None else call.offload.graph_backward(
+            fwd.offload_call, graph is not None)  # (its saved tensors back; the previous module's prefetched)
+        with _capturing(graph, pool, stream), fetching:
             grads = torch.autograd.grad(
                 [outputs[i] for i in out_positions], [inputs[i] for i in in_positions], grad_outputs, allow_unused=True
             )
@@ -424,16 +440,43 @@ def capture_callables(
     ]
     require_cuda("make_graphed_callables")
     _check_devices(calls)
+    where = f"graphed {', '.join(names) if len(names) <= 3 else names[0] + f' (and {len(names) - 1} more)'}"
+    plan = _own_offload(calls, where, forward_only)
+    try:
+        return _capture(calls, num_warmup_iters, pre_warmup_hook, post_warmup_hook, pool, eager, forward_only,
+                        targets, where, plan)
+    except BaseException:
+        for call in calls:
+            if call.plan is not None:
+                call.offload.owned.discard(id(call.module))
+        raise
 
+
+def _own_offload(calls: list[CaptureTarget], where: str, forward_only: bool) -> HostPlan | None:
+    """Offloaded modules' training graphs record their offload, from one plan of host buffers per
+    group; their offload hooks step aside from now on."""
+    offloaded = [call for call in calls if call.offload is not None]
+    if forward_only or not offloaded:
+        return None
+    plan = HostPlan(where)
+    for call in offloaded:
+        call.plan = plan
+        call.offload.owned.add(id(call.module))
+    return plan
+
+
+def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook, post_warmup_hook, pool,
+             eager: list, forward_only: bool, targets: list, where: str, plan: HostPlan | None) -> list:
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    where = f"graphed {', '.join(names) if len(names) <= 3 else names[0] + f' (and {len(names) - 1} more)'}"
     with gc_paused(), torch.cuda.stream(stream), torch.no_grad() if forward_only else nullcontext():
         if pre_warmup_hook is not None:
             pre_warmup_hook()
         for i in range(num_warmup_iters):
             with no_host_sync(where, enabled=i > 0):  # the first pass may initialise lazily
+                if plan is not None:
+                    plan.start_pass()
                 passes = [forward_pass(call) for call in calls]
                 for call, fwd in zip(reversed(calls), reversed(passes)):
                     if not forward_only:
@@ -446,6 +489,8 @@ def capture_callables(
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
         for call in calls:
             call.fwd_graph, call.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        if plan is not None:
+            plan.start_pass()
         passes = [forward_pass(call, call.fwd_graph, pool, stream) for call in calls]
         backwards = [None] * len(calls)
         for i in reversed(range(len(calls))):
@@ -464,7 +509,21 @@ def capture_callables(
     ]
     for runner, target in zip(graphed, targets):
         runner.replay_default, runner.device = target, stream.device
+    if plan is not None:
+        _link_prefetches(graphed, passes, plan)
     return graphed
+
+
+def _link_prefetches(graphed: list[GraphedCallable], passes: list[ForwardPass], plan: HostPlan) -> None:
+    """Which backward graph brings whose offloaded tensors back (the prefetch it recorded), so a
+    replay out of that order is refused; the group keeps the host buffers as long as its graphs."""
+    by_call = {id(fwd.offload_call): runner for fwd, runner in zip(passes, graphed) if fwd.offload_call is not None}
+    for fwd, runner in zip(passes, graphed):
+        fetcher = fwd.offload_call.fetched_by if fwd.offload_call is not None else None
+        if fetcher is not None:
+            runner.prefetched_by = by_call[id(fetcher)]
+            runner.prefetched_by.prefetches.append(runner)
+    graphed[0].group.host_plan = plan
 
 
 def default_targets(replay_stream, join_event, names: list[str]) -> list:

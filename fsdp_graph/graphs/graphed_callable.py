@@ -69,6 +69,7 @@ class CaptureGroup:
 
     def __init__(self) -> None:
         self.members: list[GraphedCallable] = []
+        self.host_plan = None  # activation offload: the pinned buffers the graphs copy to and from
 
     def check_backward_order(self, runner: GraphedCallable) -> None:
         for later in self.members[runner.index + 1 :]:
@@ -116,6 +117,11 @@ class GraphedCallable:
         self._output_versions: list[int] = []
         self.replay_default: ReplayTarget | None = None  # replay_stream= / join_event= given when graphing
         self.device: torch.device | None = None  # where it was captured (None: emulated graphs, in tests)
+        # Activation offload: the graph whose backward brings this one's saved tensors back
+        # (recorded in its capture), whether it did since this forward, and whom this one's fetches.
+        self.prefetched_by: GraphedCallable | None = None
+        self.prefetched = False
+        self.prefetches: list[GraphedCallable] = []
 
     # -- the call ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -210,6 +216,13 @@ class GraphedCallable:
 
     def _start_backward(self, node) -> None:
         start_backward(self, node, f"graphed {self.name}")
+        if self.prefetched_by is not None and not self.prefetched:
+            raise RuntimeError(
+                f"graphed {self.name}: its offloaded activations are brought back from host memory by the backward "
+                f"graph of {self.prefetched_by.name} (the prefetch, one module ahead, was captured into that graph), "
+                "which has not run since this module's forward. Run the graphed modules' forwards and backwards in "
+                "the order they were captured in every step, or leave this module out of the offload selection."
+            )
 
 
 def start_backward(runner, node, what: str) -> None:
@@ -250,6 +263,7 @@ class _Replay(torch.autograd.Function):
                 static.copy_(live)
         launch(runner.captured.fwd_graph, target, runner.captured.join_events)
         runner.replays += 1
+        runner.prefetched = False
         if track:
             runner._pending = weakref.ref(ctx)
             runner._output_versions = [o._version for o in runner.static_outputs]
@@ -272,4 +286,6 @@ class _Replay(torch.autograd.Function):
             elif grad.data_ptr() != static.data_ptr():
                 static.copy_(grad)
         launch(runner.captured.bwd_graph, ctx.target)  # joins at the end: autograd reads the gradients now
+        for later in runner.prefetches:
+            later.prefetched = True
         return (None, None, None, *runner.captured.static_grad_inputs)

@@ -275,7 +275,7 @@ def graph_modules(
     refuse_segmented(modules, names, "graph_modules")
     default_targets(replay_stream, join_event, names)  # (checked before any capture; set by the capture)
     if not forward_only:
-        refuse_offloaded(modules, names)
+        refuse_offloaded(modules, names, graphs_own_offload=True)
     units = [_unit_to_unshard(m, name) for m, name in zip(modules, names)]
     require_cuda("graph_modules")
     kwargs_list = [None] * len(modules) if sample_kwargs is None else list(sample_kwargs)

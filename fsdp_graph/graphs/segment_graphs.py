@@ -176,8 +176,8 @@ def graph_segments(
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("graph_segments: a module appears twice; list each block once, in execution order")
     names = [f"module {i}" for i in range(len(modules))]
+    refuse_offloaded(modules, names, graphs_own_offload=False)
     units = [_unit_of_block(m, name) for m, name in zip(modules, names)]
-    refuse_offloaded(modules, names)
     contexts = list({id(c): c for u in units for c in root_contexts(u.module)}.values())
     if len(contexts) != 1:
         raise ValueError("graph_segments: the modules belong to different FSDP roots; graph each model's blocks "

@@ -15,6 +15,10 @@ Independent settings (after Megatron's split):
   work per layer; 1 (the default) graphs each module on its own;
 * ``optimizer_graph``, for ``"layer"``: the clipping and the optimizer step replayed as CUDA graphs
   of their own (``graph_optimizer_step``); ``"full_iteration"`` has them inside its graph already;
+* ``offload_activations``, for training under any strategy: the modules whose saved activations
+  wait in pinned host memory between forward and backward (``offload_activations``), chosen as
+  ``modules`` are; graphed modules record the copies in their graphs (per-layer graphs and the
+  whole step; not segments);
 * ``forward_only``, for evaluation: ``"none"``, ``"layer"`` (the same modules, forward-only
   graphs, unshard outside) or ``"model"`` (the whole forward with its unshards in one graph).
 
@@ -39,7 +43,6 @@ import torch
 import torch.nn as nn
 
 from ..fsdp.capture_interface import enclosing_unit, leaf_units, master_owner, require_fixed_addresses, units_in
-from ..graphs.activation_offload import refuse_offloaded
 from ..graphs.module_graphs import Selection, graph_kinds, select_modules
 
 STRATEGIES = ("none", "layer", "full_iteration")
@@ -57,6 +60,9 @@ class GraphConfig:
     replay_stream: torch.cuda.Stream | None = None  # every graph the step makes replays there (replay_on overrides)
     segment_size: int = 1  # "layer": k > 1 graphs k consecutive blocks per graph, their FSDP steps inside
     optimizer_graph: bool = False  # "layer": clipping and the optimizer step replayed as graphs of their own
+    offload_activations: Selection | Sequence[nn.Module] | None = None  # these modules' saved activations
+    # wait in pinned host memory between forward and backward (graphed or eager; CUDA only)
+    offload_min_bytes: int = 1 << 20  # smaller saved tensors stay on the device
 
 
 def _choice(value, choices: tuple, field: str) -> str:
@@ -108,6 +114,8 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
                                if strategy == "full_iteration" else
                                ", which runs eagerly. Use strategy='layer', or drop optimizer_graph.")
         )
+    if config.offload_activations is not None:
+        _check_offload(config, model)
     if not isinstance(config.num_warmup_iters, int) or config.num_warmup_iters < 1:
         raise ValueError(f"GraphConfig.num_warmup_iters must be an int >= 1, got {config.num_warmup_iters!r}")
     if config.modules is not None and strategy == "full_iteration":
@@ -167,20 +175,48 @@ def _require_capture_path(root: nn.Module, what: str) -> None:
             )
 
 
-def selected_modules(model: nn.Module, config: GraphConfig) -> list[nn.Module]:
-    """The modules a layer strategy graphs (every leaf FSDP unit when ``modules`` is None)."""
-    if config.modules is None:
+def selected_modules(model: nn.Module, config: GraphConfig, field: str = "modules") -> list[nn.Module]:
+    """The modules a layer strategy graphs (every leaf FSDP unit when ``modules`` is None), or with
+    ``field="offload_activations"`` the modules whose activations are offloaded."""
+    selection = getattr(config, field)
+    if selection is None:
         chosen = [u.module for u in leaf_units(model)]
-    elif isinstance(config.modules, (list, tuple)) and all(isinstance(m, nn.Module) for m in config.modules):
-        chosen = list(config.modules)
+    elif isinstance(selection, (list, tuple)) and all(isinstance(m, nn.Module) for m in selection):
+        chosen = list(selection)
     else:
-        chosen = select_modules(model, config.modules)
+        chosen = select_modules(model, selection)
     if not chosen:
         raise ValueError(
-            f"GraphConfig: modules={config.modules!r} selects no module of the model. Pass a module class (e.g. your "
+            f"GraphConfig: {field}={selection!r} selects no module of the model. Pass a module class (e.g. your "
             "Block), a predicate (name, module) -> bool, or a list; with modules=None, fully_shard each block first."
         )
     return chosen
+
+
+def _check_offload(config: GraphConfig, model: nn.Module) -> None:
+    """Offload where it can work: training (any strategy but segments), on CUDA, on modules of the model."""
+    size = config.offload_min_bytes
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ValueError(f"GraphConfig.offload_min_bytes must be an int >= 0, got {size!r}")
+    if config.segment_size > 1:
+        raise ValueError(
+            f"GraphConfig: offload_activations with segment_size={config.segment_size}: segments of several blocks "
+            "do not record activation offload. Use segment_size=1 (per-layer graphs) or strategy='full_iteration'."
+        )
+    chosen = selected_modules(model, config, "offload_activations")
+    inside = {id(m) for m in model.modules()}
+    if any(id(m) not in inside for m in chosen):
+        raise ValueError("GraphConfig: offload_activations lists a module that is not part of the model")
+    if config.strategy == "layer":
+        offloaded = {id(m) for m in chosen}
+        for module in selected_modules(model, config):
+            inner = [sub for sub in module.modules() if sub is not module and id(sub) in offloaded]
+            if inner:
+                raise ValueError(
+                    f"GraphConfig: offload_activations selects a {type(inner[0]).__name__} inside a graphed "
+                    f"{type(module).__name__}; a per-layer graph records the offload of the graphed module itself "
+                    "only. Offload the graphed modules (the same selection as modules=), or graph the offloaded ones."
+                )
 
 
 def _check_whole(model: nn.Module, what: str, training: bool) -> None:
@@ -200,7 +236,6 @@ def _check_whole(model: nn.Module, what: str, training: bool) -> None:
                 "another capture. Build the model without graph_modules (the whole graph contains the layers)."
             )
     if training:
-        refuse_offloaded([model], [what])
         stray = trainable_outside_units(model)
         if stray:
             raise ValueError(

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..fsdp.capture_interface import root_contexts
+from ..graphs.activation_offload import offload_activations
 from ..graphs.module_graphs import eval_mode, graph_modules, record_sample_args
 from ..graphs.segment_graphs import graph_segments
 from .eval_step import EvalStep, GraphedForward
@@ -51,12 +52,15 @@ def make_train_step(
     config = validate_graph_config(config, model)
     body = TrainStep(loss_fn, model, optimizer, grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm)
     if config.strategy == "none":
+        _offload(body, model, config)
         return body
     example = _require_example(example_batch, "make_train_step", config)
     if config.strategy == "full_iteration":
         check_capturable_optimizer(optimizer)
-        return GraphedTrainStep(body, example, num_warmup_iters=config.num_warmup_iters,
+        step = GraphedTrainStep(body, example, num_warmup_iters=config.num_warmup_iters,
                                 replay_stream=config.replay_stream)
+        _offload(body, model, config)
+        return step
     if config.optimizer_graph and optimizer is None:
         raise ValueError(
             "make_train_step: GraphConfig(optimizer_graph=True) graphs the optimizer step, but no optimizer was "
@@ -73,7 +77,29 @@ def make_train_step(
         )
     modules = selected_modules(model, config)
     micro = body.micro_batches(example)[0]
-    samples = _samples(model, modules, lambda: loss_fn(*micro))
+    _offload(body, model, config)  # (first: the sample forwards keep their activations too)
+    try:
+        samples = _samples(model, modules, lambda: loss_fn(*micro))
+        _graph_layers(config, modules, samples)
+    except BaseException:
+        if body.offload is not None:  # (nothing was captured: the offload goes with the failed step)
+            body.offload.remove()
+        raise
+    if config.optimizer_graph:  # last: it pins every unit's gradients for good
+        body.optimizer_step = graph_optimizer_step(model, optimizer, max_grad_norm=max_grad_norm,
+                                                   num_warmup_iters=config.num_warmup_iters,
+                                                   replay_stream=config.replay_stream)
+    return body
+
+
+def _offload(body: TrainStep, model: nn.Module, config: GraphConfig) -> None:
+    """Install ``config.offload_activations`` (before anything runs a forward)."""
+    if config.offload_activations is not None:
+        body.offload = offload_activations(selected_modules(model, config, "offload_activations"),
+                                           min_bytes=config.offload_min_bytes)
+
+
+def _graph_layers(config: GraphConfig, modules: list, samples: list) -> None:
     if config.segment_size > 1:
         graph_segments(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
                        segment_size=config.segment_size, num_warmup_iters=config.num_warmup_iters,
@@ -82,11 +108,6 @@ def make_train_step(
         graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
                       num_warmup_iters=config.num_warmup_iters, collective_graphs=config.collective_graphs,
                       replay_stream=config.replay_stream)
-    if config.optimizer_graph:  # last: it pins every unit's gradients for good
-        body.optimizer_step = graph_optimizer_step(model, optimizer, max_grad_norm=max_grad_norm,
-                                                   num_warmup_iters=config.num_warmup_iters,
-                                                   replay_stream=config.replay_stream)
-    return body
 
 
 def make_eval_step(model: nn.Module, *, config: GraphConfig | None = None, example_args: tuple | None = None):

@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from ..fsdp.capture_interface import root_contexts, units_in
 from ..fsdp.clip_grad import clip_grad_norm_
+from ..graphs.activation_offload import add_host_plans, offload_passes
 from ..graphs.host_sync import no_host_sync
 from ..graphs.replay_stream import replay_target, replay_whole, whole_target
 from ..graphs.static_inputs import StaticInputs
@@ -69,6 +70,7 @@ class TrainStep:
         self.max_grad_norm = max_grad_norm
         self.units = units_in(model)
         self.optimizer_step: Callable[[], object] | None = None  # clip + step as graphs (optimizer_graph=True)
+        self.offload = None  # GraphConfig.offload_activations: the ActivationOffload handle
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         return self.run(batch)
@@ -170,6 +172,12 @@ class GraphedTrainStep:
         self._divide_factors: list | None = None  # each unit's, as captured
         self._unused: list[frozenset[int]] = []  # each unit's parameters that get no gradient, as captured
         self.replay_default = replay_target(replay_stream, None, "make_train_step")
+        self.host_plans: dict = {}  # activation offload: each offload's pinned buffers, which the graph copies to
+
+    @property
+    def offload(self):
+        """GraphConfig.offload_activations: the ActivationOffload handle (None without)."""
+        return self.body.offload
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         try:
@@ -191,7 +199,9 @@ class GraphedTrainStep:
         return self.static_loss.clone()
 
     def _eager_step(self) -> torch.Tensor:
-        with on_stream(self.stream), no_host_sync("the training step", enabled=self.eager_steps > 0):
+        add_host_plans(self.body.model, self.host_plans, "make_train_step")
+        with (on_stream(self.stream), no_host_sync("the training step", enabled=self.eager_steps > 0),
+              offload_passes(self.host_plans, capturing=False)):
             loss = self.body.run(tuple(self.inputs.tensors))
         self.eager_steps += 1  # only steps that completed count as warm-up
         loss.record_stream(torch.cuda.current_stream(self.device))
@@ -208,9 +218,7 @@ class GraphedTrainStep:
         self.captured_optimizer.refuse_tensor_hyperparameters()
         keys = self.captured_optimizer.state_keys()
         try:
-            graph, loss = capture_whole(
-                "make_train_step", lambda: self.body.run(tuple(self.inputs.tensors)), self.contexts, self.stream
-            )
+            graph, loss = capture_whole("make_train_step", self._captured_run, self.contexts, self.stream)
         finally:
             made = self.captured_optimizer.drop_state_made_since(keys)
         if made:
@@ -224,6 +232,11 @@ class GraphedTrainStep:
         self.captured_optimizer.freeze()
         self.graph, self.static_loss = graph, loss
         self._unused = [unit.grads.use.unused for unit in self.body.units]
+
+    def _captured_run(self) -> torch.Tensor:
+        add_host_plans(self.body.model, self.host_plans, "make_train_step")
+        with offload_passes(self.host_plans, capturing=True):  # (offloaded modules' copies are recorded)
+            return self.body.run(tuple(self.inputs.tensors))
 
     def _refuse_post_accumulate_hooks(self) -> None:
         """A post-accumulate-grad hook (optimizer in backward) is Python the graph would run once, at
