@@ -32,6 +32,11 @@ mask), fsdp2_eager keeps HF's default (SDPA's is_causal kernels).
   floor              the unsharded model's forward+backward as one graph on one GPU: no
                      communication, no optimizer; the time a step cannot beat
 
+With --offload (GPU only), activation offload to pinned host memory as well
+(GraphConfig(offload_activations=...)): ours_eager_offload[_every2|3|4] (every block's, or every
+k-th block's, eager), ours_layer_graphs_offload[_every3] and ours_full_iteration_offload[_every3]
+(recorded in the graphs).
+
 A step is forward, backward and optimizer step (floor: forward and backward), timed between two
 device synchronisations; the first --warmup steps are not timed. Each system's losses over all
 steps are compared with ours_eager's. Outputs in --out, MODEL being --model: results-MODEL.json
@@ -58,7 +63,7 @@ sys.path.insert(1, os.path.dirname(_EXAMPLES_DIR))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hf_models import SIZES, build_hf  # noqa: E402
-from memory_breakdown import breakdown  # noqa: E402
+from memory_breakdown import breakdown, graph_pool_bytes  # noqa: E402
 from mfu import mfu  # noqa: E402
 
 import fsdp_graph  # noqa: E402
@@ -70,11 +75,13 @@ from step_profile import kernel_breakdown  # noqa: E402
 
 SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp",
            "ours_segment_graphs", "ours_segment_and_optimizer_graphs", "ours_full_iteration", "floor")
-# Added by --offload (GPU only): every block's activations offloaded, then every 2nd, 3rd, 4th block's.
+# Added by --offload (GPU only): every block's activations offloaded, then every 2nd, 3rd, 4th block's; and
+# under per-layer graphs and the whole step, every block's and every 3rd block's.
 OFFLOAD_SYSTEMS = ("ours_eager_offload", "ours_eager_offload_every2", "ours_eager_offload_every3",
-                   "ours_eager_offload_every4")
+                   "ours_eager_offload_every4", "ours_layer_graphs_offload", "ours_layer_graphs_offload_every3",
+                   "ours_full_iteration_offload", "ours_full_iteration_offload_every3")
 GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp", "ours_segment_graphs",
-                 "ours_segment_and_optimizer_graphs", "ours_full_iteration", "floor")
+                 "ours_segment_and_optimizer_graphs", "ours_full_iteration", "floor", *OFFLOAD_SYSTEMS[4:])
 SEGMENT_SIZE = [3]  # ours_segment_graphs' blocks per graph (--segment-size)
 WHOLE_GRAPH_SYSTEMS = ("fsdp2_full_graph", "floor")
 LOSS_RTOL = 1e-2  # bf16 compute: different reduction orders drift apart by far less than this
@@ -257,17 +264,32 @@ ours_eager_offload_every3 = _offloading(3)
 ours_eager_offload_every4 = _offloading(4)
 
 
-def ours_layer_graphs(bench, env, batches, warmup, collective_graphs=True, segment_size=1, optimizer_graph=False):
-    """Every block graphed (captured now, from an example forward on the first batch)."""
+def ours_layer_graphs(bench, env, batches, warmup, collective_graphs=True, segment_size=1, optimizer_graph=False,
+                      offload_every=0):
+    """Every block graphed (captured now, from an example forward on the first batch); with
+    ``offload_every`` k, every k-th block's activations offloaded (recorded in its graph)."""
     model = ours_sharded(bench, env)
     block_class = type(blocks_of(model)[0])  # FSDP<Block>, which every sharded block is
     config = fsdp_graph.GraphConfig(strategy="layer", modules=block_class, segment_size=segment_size,
                                     collective_graphs=collective_graphs if segment_size == 1 else None,
                                     optimizer_graph=optimizer_graph,
+                                    offload_activations=_offloaded(model, offload_every),
                                     num_warmup_iters=max(1, min(3, warmup - 1)))  # (the optimizer capture untimed)
     opt = make_optimizer(model, capturable=True)
     step = fsdp_graph.make_train_step(loss_fn_of(model), model, opt, config=config, example_batch=batches[0])
     return owning(step, model, opt), None
+
+
+def _offloaded(model, every: int) -> list | None:
+    return blocks_of(model)[::every] if every else None
+
+
+def ours_layer_graphs_offload(bench, env, batches, warmup):
+    return ours_layer_graphs(bench, env, batches, warmup, offload_every=1)
+
+
+def ours_layer_graphs_offload_every3(bench, env, batches, warmup):
+    return ours_layer_graphs(bench, env, batches, warmup, offload_every=3)
 
 
 def ours_layer_graphs_eager_fsdp(bench, env, batches, warmup):
@@ -282,14 +304,23 @@ def ours_segment_and_optimizer_graphs(bench, env, batches, warmup):
     return ours_layer_graphs(bench, env, batches, warmup, segment_size=SEGMENT_SIZE[0], optimizer_graph=True)
 
 
-def ours_full_iteration(bench, env, batches, warmup):
+def ours_full_iteration(bench, env, batches, warmup, offload_every=0):
     """The first ``warmup`` calls are eager steps inside the graphed step, then it captures."""
     model = ours_sharded(bench, env)
     opt = make_optimizer(model, capturable=True)
-    config = fsdp_graph.GraphConfig(strategy="full_iteration", num_warmup_iters=warmup)
+    config = fsdp_graph.GraphConfig(strategy="full_iteration", num_warmup_iters=warmup,
+                                    offload_activations=_offloaded(model, offload_every))
     step = fsdp_graph.make_train_step(loss_fn_of(model), model, opt, config=config, example_batch=batches[0])
     step.optimizer_ms = lambda: optimizer_step_ms(opt)
     return owning(step, model, opt), None
+
+
+def ours_full_iteration_offload(bench, env, batches, warmup):
+    return ours_full_iteration(bench, env, batches, warmup, offload_every=1)
+
+
+def ours_full_iteration_offload_every3(bench, env, batches, warmup):
+    return ours_full_iteration(bench, env, batches, warmup, offload_every=3)
 
 
 def optimizer_step_ms(opt: torch.optim.Optimizer, replays: int = 20) -> float:
@@ -394,6 +425,32 @@ def max_over_ranks(value: float, env: Env) -> float:
     return t.item()
 
 
+class PeakMemory:
+    """The peak of the memory a system holds. ``max_memory_allocated`` alone misses a CUDA graph's
+    pool once its capture is over: replays use the pool's memory, but no tensor is allocated in it
+    (per-layer graphs, captured while the step is built, then replayed with the optimizer state and
+    the eager code's tensors beside them). So after the last capture (the first timed step has run,
+    which captures the whole step), the steady state counts the pools whole: the peak allocated
+    since, minus what is allocated inside the pools, plus their size."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.before = cuda, None
+
+    def graphs_captured(self) -> None:
+        if self.cuda:
+            self.before = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_allocated(self) -> int:
+        return max(self.before or 0, torch.cuda.max_memory_allocated())
+
+    def peak(self) -> int:
+        if self.before is None:
+            return self.peak_allocated()
+        pool_size, pool_allocated = graph_pool_bytes()
+        return max(self.before, torch.cuda.max_memory_allocated() - pool_allocated + pool_size)
+
+
 def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, hot_path: bool,
             profile: bool = False, memory: bool = False) -> dict:
     batches = make_batches(bench, env, warmup + steps)
@@ -407,7 +464,10 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
     first = warmup if system in WHOLE_GRAPH_SYSTEMS else 0
     losses = list(warm_losses or [])
     times, host = [], []
+    peak = PeakMemory(env.cuda)
     for i in range(first, warmup + steps):
+        if i == warmup + 1:
+            peak.graphs_captured()
         synchronize(env)
         t0 = time.perf_counter()
         loss = step(*batches[i])
@@ -446,7 +506,8 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
         "host_ms_median": max_over_ranks(statistics.median(host) * 1e3, env),
         "tokens_per_s": tokens / (step_ms / 1e3),
         "mfu": mfu(params, tokens / (step_ms / 1e3), env.world_size, env.device) if system != "floor" else None,
-        "peak_mem_gib": max_over_ranks((torch.cuda.max_memory_allocated() - baseline) / 2**30, env)
+        "peak_mem_gib": max_over_ranks((peak.peak() - baseline) / 2**30, env) if env.cuda else None,
+        "peak_allocated_gib": max_over_ranks((peak.peak_allocated() - baseline) / 2**30, env)
         if env.cuda else None,
         "losses": [float(x) for x in losses] if system != "floor" else None,
     }

@@ -71,6 +71,12 @@ def _graph_pool_segments(snapshot: dict) -> list[tuple[int, int]]:
             if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
 
 
+def graph_pool_bytes() -> tuple[int, int]:
+    """(size, allocated) in bytes of the CUDA graphs' private pools now."""
+    pools = [s for s in torch.cuda.memory._snapshot()["segments"] if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    return sum(s["total_size"] for s in pools), sum(s["allocated_size"] for s in pools)
+
+
 def _by_frames(frames: list[dict]) -> str:
     for frame in frames:
         for file_part, function, category in FRAME_RULES:

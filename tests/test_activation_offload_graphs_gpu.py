@@ -18,7 +18,7 @@ import fsdp_graph
 from fsdp_graph import GraphConfig
 from fsdp_graph.graphs.activation_offload import ActivationOffload
 
-from models import TinyLM, lm_loss, shard
+from models import Block, TinyLM, lm_loss, shard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 STEPS = 20
@@ -41,25 +41,30 @@ def _model(size: str) -> TinyLM:
     return model
 
 
-def _batch(step: int, model: TinyLM, batch: int):
+def _batch(step: int, model: TinyLM, batch: int, accum: int = 1):
+    """One step's (idx, targets); with ``accum`` > 1, that many micro-batches stacked."""
     g = torch.Generator().manual_seed(step)
     vocab, seq = model.emb.num_embeddings, model.pos.shape[0]
-    idx = torch.randint(0, vocab, (batch, seq), generator=g)
-    return idx.cuda(), torch.roll(idx, -1, dims=1).cuda()
+    idx = torch.randint(0, vocab, (accum, batch, seq), generator=g)
+    idx, targets = idx.cuda(), torch.roll(idx, -1, dims=-1).cuda()
+    return (idx, targets) if accum > 1 else (idx[0], targets[0])
 
 
-def _step(model: TinyLM, strategy: str, offload: bool, batch: int):
+def _step(model: TinyLM, strategy: str, offload: bool, batch: int, accum: int = 1, **fields):
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device="cuda"), capturable=True)
+    if fields.get("modules") == "every other block":
+        fields["modules"] = list(model.blocks[::2])  # (the others stay eager, offloaded all the same)
     config = GraphConfig(strategy=strategy, num_warmup_iters=2, offload_min_bytes=0,
-                         offload_activations=type(model.blocks[0]) if offload else None)
+                         offload_activations=type(model.blocks[0]) if offload else None, **fields)
     return fsdp_graph.make_train_step(lambda i, t: lm_loss(model, i, t), model, opt, config=config,
-                                      max_grad_norm=1.0, example_batch=_batch(0, model, batch))
+                                      max_grad_norm=1.0, example_batch=_batch(0, model, batch, accum),
+                                      grad_accum_steps=accum)
 
 
-def _train(strategy: str, offload: bool, size: str = "tiny", batch: int = 4):
+def _train(strategy: str, offload: bool, size: str = "tiny", batch: int = 4, accum: int = 1, **fields):
     model = _model(size)
-    step = _step(model, strategy, offload, batch)
-    losses = torch.stack([step(*_batch(s, model, batch)).detach().clone() for s in range(STEPS)])
+    step = _step(model, strategy, offload, batch, accum, **fields)
+    losses = torch.stack([step(*_batch(s, model, batch, accum)).detach().clone() for s in range(STEPS)])
     return losses, fsdp_graph.full_state_dict(model), step
 
 
@@ -101,8 +106,25 @@ def test_offload_under_graphs_trains_bitwise_as_eager_without_offload(strategy, 
         assert runners[0].group.host_plan.buffers, "the layer graphs recorded no offload"
     else:
         assert step.replays == STEPS - 2 and step.host_plans, "the whole step recorded no offload"
+    with pytest.raises(RuntimeError, match="remove\\(\\) cannot take the copies out"):
+        step.offload.remove()
     _delayed_copies(monkeypatch)
     _assert_same(_train(strategy, offload=True)[:2], eager, f"{strategy} with offload, every copy delayed")
+
+
+@pytest.mark.parametrize("case", ["two micro-batches", "side stream", "eager blocks between"])
+def test_offload_under_graphs_with_accumulation_a_replay_stream_and_eager_blocks(case):
+    """Two micro-batches in the whole step (each module called twice per step), per-layer graphs
+    replayed on a side stream, and per-layer graphs of every other block with all offloaded."""
+    if case == "two micro-batches":
+        runs = [("full_iteration", {"accum": 2})]
+    elif case == "side stream":
+        runs = [("layer", {"replay_stream": torch.cuda.Stream()})]
+    else:
+        runs = [("layer", {"modules": "every other block"})]
+    for strategy, fields in runs:
+        eager = _train("none", offload=False, accum=fields.get("accum", 1))
+        _assert_same(_train(strategy, offload=True, **fields)[:2], eager, f"{strategy} with offload, {case}")
 
 
 def test_the_whole_step_test_sees_a_missing_wait_before_reuse(monkeypatch):
@@ -180,6 +202,37 @@ def test_a_layer_graph_whose_prefetching_backward_did_not_run_is_refused():
     skipping(None).backward()  # in the captured order: fine
     with pytest.raises(RuntimeError, match="brought back from host memory by the backward graph of module 1.*order"):
         skipping(1).backward()
+
+
+def _plain_blocks(offload: bool):
+    """Four plain (unsharded) blocks, graphed one by one, offloaded or not."""
+    torch.manual_seed(0)
+    blocks = [Block(64, 192).cuda() for _ in range(4)]
+    if offload:
+        fsdp_graph.offload_activations(blocks, min_bytes=0)
+    x = torch.randn(4, 32, 64, device="cuda", requires_grad=True)
+    fsdp_graph.graph_modules(blocks, [(x,)] * 4, num_warmup_iters=2)
+    return blocks, x
+
+
+def test_a_forward_replay_between_a_prefetch_and_its_reader_is_refused():
+    """Backward 3 brings block 2's tensors back into the pool, then a forward replay of block 3
+    (under no_grad) may overwrite them: block 2's backward must not read them."""
+    blocks, x = _plain_blocks(offload=True)
+    h = [x.detach().clone().requires_grad_()]
+    for block in blocks:
+        h.append(block(h[-1]))
+    (g,) = torch.autograd.grad(h[4].square().sum(), h[3])  # backward 3 only
+    with torch.no_grad():
+        blocks[3](h[3].detach())
+    with pytest.raises(RuntimeError, match="another graph replayed in between"):
+        h[3].backward(g)
+
+
+def test_offloading_a_module_graphed_without_offload_is_refused():
+    blocks, _ = _plain_blocks(offload=False)
+    with pytest.raises(ValueError, match="has a training graph already.*Offload before graphing"):
+        fsdp_graph.offload_activations([blocks[0]])
 
 
 def _hf_with_offload(info) -> None:

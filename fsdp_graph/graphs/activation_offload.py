@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from typing import NamedTuple
 
 import torch
@@ -45,6 +45,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 OFFLOAD_MARK = "_fsdp_graph_activation_offload"  # on an offloaded module: its ActivationOffload
+
+
+class OffloadCaptureError(RuntimeError):
+    """An offloaded module's capture cannot record its copies (raised inside the capture)."""
 
 
 class HostPlan:
@@ -68,7 +72,7 @@ class HostPlan:
             if buffer.size() == like.size() and buffer.stride() == like.stride() and buffer.dtype == like.dtype:
                 return buffer
         if capturing:
-            raise RuntimeError(
+            raise OffloadCaptureError(
                 f"{self.what}: activation offload: the captured pass saved tensor #{i} ({tuple(like.shape)}, "
                 f"{like.dtype}) for backward, but the warm-up passes saved "
                 f"{'a different one there' if i < len(self.buffers) else f'only {len(self.buffers)}'}. A graph "
@@ -136,79 +140,26 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
 
-class ActivationOffload:
-    """Installed by ``offload_activations``; ``remove()`` takes the hooks off again."""
+class _OffloadStreams:
+    """The offload and fetch streams, and what a capture that records copies on them must track:
+    the streams it forked (joined before it ends), offloaded tensors whose copy the compute stream
+    has not waited for (``_release`` frees them), fetched ones likewise."""
 
-    def __init__(self, modules: Sequence[nn.Module], names: Sequence[str], min_bytes: int) -> None:
-        self.min_bytes = min_bytes
+    def __init__(self) -> None:
         self._offload_stream: torch.cuda.Stream | None = None
         self._fetch_stream: torch.cuda.Stream | None = None
-        self._open: list[tuple[nn.Module, _Call, torch.autograd.graph.saved_tensors_hooks]] = []
-        self._last: weakref.ref | None = None  # the latest chosen call of the forward
-        self._plan: HostPlan | None = None  # set around a whole step's warm-up and capture (``planned``)
         self._capture: object | None = None  # a token while a capture records the copies, else None
         self._forked: list[torch.cuda.Stream] = []  # streams forked in that capture, joined before it ends
         self._pending: list[_Saved] = []  # under capture: offloaded tensors whose copy is not waited for yet
-        self.owned: set[int] = set()  # ids of modules whose graphs record their offload: the hooks step aside
-        self._handles = []
-        self.modules = list(modules)
-        self._names = list(names)
-        for module, name in zip(self.modules, names):
-            self._handles.append(module.register_forward_pre_hook(self._opener(name)))
-            self._handles.append(module.register_forward_hook(self._close, always_call=True))
-            setattr(module, OFFLOAD_MARK, self)
+        self._fetching: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # under capture: fetched tensors
+        # held until the compute stream waited for their copy (else a prefetch nobody reads could be freed early)
 
-    def remove(self) -> None:
-        owned = [name for module, name in zip(self.modules, self._names) if id(module) in self.owned]
-        if owned:
-            raise RuntimeError(
-                f"offload_activations: {owned[0]} is graphed with its offload captured: its graphs copy its "
-                "activations at every replay, and remove() cannot take the copies out of them. Build the model "
-                "and its graphs again without offload."
-            )
-        for handle in self._handles:
-            handle.remove()
-        for module in self.modules:
-            if getattr(module, OFFLOAD_MARK, None) is self:
-                delattr(module, OFFLOAD_MARK)
-        self._handles = []
+    def _streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        if self._offload_stream is None:
+            self._offload_stream = torch.cuda.Stream(device)
+            self._fetch_stream = torch.cuda.Stream(device)
+        return self._offload_stream, self._fetch_stream
 
-    # -- forward ------------------------------------------------------------------------
-    def _opener(self, name: str):
-        def open_call(module: nn.Module, args) -> None:
-            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1 or id(module) in self.owned:
-                return  # nothing is saved (no_grad), a recompute inside backward uses it at once, or a graph copies
-            call = self._new_call(name, self._plan)
-            hooks = self._hooks(call)
-            hooks.__enter__()
-            self._open.append((module, call, hooks))
-
-        return open_call
-
-    def _close(self, module: nn.Module, args, output) -> None:
-        if not self._open or self._open[-1][0] is not module:
-            return  # its pre-hook opened nothing
-        _, call, hooks = self._open.pop()
-        hooks.__exit__(None, None, None)
-        if self._capture is not None:
-            self._release(but=call)  # the copies of the calls before it overlapped it; their memory is free now
-        if not call.saved:
-            return
-        self._last = weakref.ref(call)
-        if output is None:
-            return  # (the forward raised)
-        for tensor in tree_leaves(output):
-            if not (isinstance(tensor, torch.Tensor) and tensor.requires_grad):
-                continue
-            tensor.register_hook(_BackwardStarts(self, call))
-
-    def _new_call(self, name: str, plan: HostPlan | None, keep: frozenset[int] = frozenset()) -> _Call:
-        return _Call(name, self._last() if self._last is not None else None, plan, keep)
-
-    def _hooks(self, call: _Call) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), self._unpack)
-
-    # -- under graphs ----------------------------------------------------------------------
     @contextmanager
     def _capturing(self, capturing: bool) -> Iterator[None]:
         """While a capture records the copies: a token for it; on a normal exit, every stream it
@@ -221,10 +172,11 @@ class ActivationOffload:
             yield
             self._join()
         except BaseException:
-            self._join()  # (so the capture can end, and the error that broke it is the one raised)
+            with suppress(Exception):
+                self._join()  # (so the capture can end, and the error that broke it is the one raised)
             raise
         finally:
-            self._capture, self._forked, self._pending = None, [], []
+            self._capture, self._forked, self._pending, self._fetching = None, [], [], []
 
     def _fork(self, stream: torch.cuda.Stream) -> None:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
@@ -248,6 +200,82 @@ class ActivationOffload:
         for stream in self._forked:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         self._forked = []
+
+
+class ActivationOffload(_OffloadStreams):
+    """Installed by ``offload_activations``; ``remove()`` takes the hooks off again."""
+
+    def __init__(self, modules: Sequence[nn.Module], names: Sequence[str], min_bytes: int) -> None:
+        super().__init__()
+        self.min_bytes = min_bytes
+        self._open: list[tuple[nn.Module, _Call, torch.autograd.graph.saved_tensors_hooks]] = []
+        self._last: weakref.ref | None = None  # the latest chosen call of the forward
+        self._after_graph = False  # a graph replayed since that call (prefetching across it would hold memory long)
+        self._plan: HostPlan | None = None  # set around a whole step's warm-up and capture (``planned``)
+        self.recorded = False  # a whole step's capture recorded the copies (remove() is refused)
+        self.owned: set[int] = set()  # ids of modules whose graphs record their offload: the hooks step aside
+        self._handles = []
+        self.modules = list(modules)
+        self._names = list(names)
+        for module, name in zip(self.modules, names):
+            self._handles.append(module.register_forward_pre_hook(self._opener(name)))
+            self._handles.append(module.register_forward_hook(self._close, always_call=True))
+            setattr(module, OFFLOAD_MARK, self)
+
+    def remove(self) -> None:
+        owned = [name for module, name in zip(self.modules, self._names) if id(module) in self.owned or self.recorded]
+        if owned:
+            raise RuntimeError(
+                f"offload_activations: {owned[0]} is graphed with its offload captured: its graphs copy its "
+                "activations at every replay, and remove() cannot take the copies out of them. Build the model "
+                "and its graphs again without offload."
+            )
+        for handle in self._handles:
+            handle.remove()
+        for module in self.modules:
+            if getattr(module, OFFLOAD_MARK, None) is self:
+                delattr(module, OFFLOAD_MARK)
+        self._handles = []
+
+    # -- forward ------------------------------------------------------------------------
+    def _opener(self, name: str):
+        def open_call(module: nn.Module, args) -> None:
+            if id(module) in self.owned:
+                self._after_graph = True  # its graph copies; the next eager call prefetches no call before it
+                return
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+                return  # nothing is saved (no_grad), or a recompute inside backward uses it at once
+            call = self._new_call(name, self._plan, linked=not self._after_graph)
+            self._after_graph = False
+            hooks = self._hooks(call)
+            hooks.__enter__()
+            self._open.append((module, call, hooks))
+
+        return open_call
+
+    def _close(self, module: nn.Module, args, output) -> None:
+        if not self._open or self._open[-1][0] is not module:
+            return  # its pre-hook opened nothing
+        _, call, hooks = self._open.pop()
+        hooks.__exit__(None, None, None)
+        if self._capture is not None:
+            self._release(but=call)  # the copies of the calls before it overlapped it; their memory is free now
+        if not call.saved:
+            return
+        self._last = weakref.ref(call)
+        if output is None:
+            return  # (the forward raised)
+        for tensor in tree_leaves(output):
+            if not (isinstance(tensor, torch.Tensor) and tensor.requires_grad):
+                continue
+            tensor.register_hook(_BackwardStarts(self, call))
+
+    def _new_call(self, name: str, plan: HostPlan | None, keep: frozenset[int] = frozenset(),
+                  linked: bool = True) -> _Call:
+        return _Call(name, self._last() if self._last is not None and linked else None, plan, keep)
+
+    def _hooks(self, call: _Call) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), self._unpack)
 
     @contextmanager
     def graph_forward(self, name: str, plan: HostPlan, capturing: bool, keep: frozenset[int]) -> Iterator[_Call]:
@@ -275,6 +303,7 @@ class ActivationOffload:
         try:
             with self._capturing(capturing):
                 yield
+            self.recorded = self.recorded or capturing
         finally:
             self._plan = None
 
@@ -297,8 +326,8 @@ class ActivationOffload:
 
     def _offload(self, call: _Call, tensor: torch.Tensor) -> _Saved:
         capturing = self._capture is not None
-        if not capturing and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(_unmanaged_capture(call.module_name))
+        if (call.plan is None) if capturing else torch.cuda.is_current_stream_capturing():
+            raise OffloadCaptureError(_unmanaged_capture(call.module_name))
         host = (call.plan.take(tensor, capturing) if call.plan is not None
                 else torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, pin_memory=True))
         saved = _Saved(call, tensor, host)
@@ -315,12 +344,6 @@ class ActivationOffload:
         call.saved.append(weakref.ref(saved))
         call.by_id[id(tensor)] = call.saved[-1]
         return saved
-
-    def _streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        if self._offload_stream is None:
-            self._offload_stream = torch.cuda.Stream(device)
-            self._fetch_stream = torch.cuda.Stream(device)
-        return self._offload_stream, self._fetch_stream
 
     # -- backward -------------------------------------------------------------------------
     def backward_starts(self, call: _Call) -> None:
@@ -358,6 +381,8 @@ class ActivationOffload:
             fetched = stream.record_event()
         for s in todo:
             s.fetched, s.fetched_in = fetched, self._capture
+        if self._capture is not None:
+            self._fetching.append((fetched, [s.device_tensor for s in todo]))
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
@@ -377,6 +402,7 @@ class ActivationOffload:
         current = torch.cuda.current_stream(tensor.device)
         if saved.fetched_in is self._capture:  # (fetched by an earlier graph: that graph ended joined)
             current.wait_event(saved.fetched)
+            self._fetching = [(e, ts) for e, ts in self._fetching if e is not saved.fetched]
         if self._capture is None:
             tensor.record_stream(current)  # (allocated on the fetch stream, read on this one)
         if isinstance(packed, _View):
@@ -387,7 +413,8 @@ class ActivationOffload:
 def _unmanaged_capture(module_name: str) -> str:
     return (
         f"activation offload ({module_name}): this forward is being captured into a CUDA graph that fsdp_graph "
-        "did not set up for offload, so its copies would write host memory nobody keeps. Graph offloaded modules "
+        "did not set up for its offload (a capture of its own, or a module called inside another module's "
+        "per-layer graph), so its copies would write host memory nobody keeps. Graph offloaded modules themselves "
         "with graph_modules or make_train_step (strategy 'layer' or 'full_iteration'), or remove() the offload "
         "before capturing."
     )
@@ -419,8 +446,9 @@ class _BackwardStarts:
 def offload_activations(modules: Sequence[nn.Module], *, min_bytes: int = 1 << 20) -> ActivationOffload:
     """Keep the saved activations of ``modules`` (e.g. ``select_modules(model, Block)``) in pinned
     host memory between their forward and backward, prefetched back one module ahead (see the
-    module docstring). Eager modules; a training graph of one of them is refused. Returns a handle
-    whose ``remove()`` switches it off."""
+    module docstring). Install it before graphing: per-layer graphs (``graph_modules``) and the
+    whole step (``make_train_step``) then record the copies; segments refuse offloaded blocks.
+    Returns a handle whose ``remove()`` switches it off (refused once a graph recorded it)."""
     modules = list(modules)
     if not isinstance(min_bytes, int) or min_bytes < 0:
         raise ValueError(f"offload_activations: min_bytes must be an int >= 0, got {min_bytes!r}")
@@ -431,6 +459,14 @@ def offload_activations(modules: Sequence[nn.Module], *, min_bytes: int = 1 << 2
             raise ValueError(
                 f"offload_activations: module {i} ({type(module).__name__}) is offloaded already; call remove() "
                 "on the earlier handle first"
+            )
+        runner = module.__dict__.get("forward")
+        if (getattr(getattr(runner, "captured", None), "grad_enabled", False)
+                or "_fsdp_graph_segment" in module.__dict__):  # (segment_graphs.SEGMENT_MARK)
+            raise ValueError(
+                f"offload_activations: module {i} ({type(module).__name__}) has a training graph already, whose "
+                "capture recorded no offload (its replay saves nothing the hooks could move). Offload before "
+                "graphing: offload_activations first, then graph_modules, or GraphConfig(offload_activations=...)."
             )
     if not torch.cuda.is_available():
         raise RuntimeError(

@@ -522,7 +522,7 @@ def _link_prefetches(graphed: list[GraphedCallable], passes: list[ForwardPass], 
         fetcher = fwd.offload_call.fetched_by if fwd.offload_call is not None else None
         if fetcher is not None:
             runner.prefetched_by = by_call[id(fetcher)]
-            runner.prefetched_by.prefetches.append(runner)
+            runner.prefetched_by.prefetches = runner
     graphed[0].group.host_plan = plan
 
 

@@ -70,6 +70,9 @@ class CaptureGroup:
     def __init__(self) -> None:
         self.members: list[GraphedCallable] = []
         self.host_plan = None  # activation offload: the pinned buffers the graphs copy to and from
+        # The member whose offloaded tensors the last replay (a backward) brought back into the pool;
+        # any other replay of the group may overwrite them, and clears it.
+        self.prefetched_for: GraphedCallable | None = None
 
     def check_backward_order(self, runner: GraphedCallable) -> None:
         for later in self.members[runner.index + 1 :]:
@@ -117,11 +120,10 @@ class GraphedCallable:
         self._output_versions: list[int] = []
         self.replay_default: ReplayTarget | None = None  # replay_stream= / join_event= given when graphing
         self.device: torch.device | None = None  # where it was captured (None: emulated graphs, in tests)
-        # Activation offload: the graph whose backward brings this one's saved tensors back
-        # (recorded in its capture), whether it did since this forward, and whom this one's fetches.
+        # Activation offload: the graph whose backward brings this one's saved tensors back (recorded
+        # in its capture), and the one whose tensors this one's backward brings back.
         self.prefetched_by: GraphedCallable | None = None
-        self.prefetched = False
-        self.prefetches: list[GraphedCallable] = []
+        self.prefetches: GraphedCallable | None = None
 
     # -- the call ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -215,14 +217,16 @@ class GraphedCallable:
             )
 
     def _start_backward(self, node) -> None:
-        start_backward(self, node, f"graphed {self.name}")
-        if self.prefetched_by is not None and not self.prefetched:
+        if self.prefetched_by is not None and self.group.prefetched_for is not self:
             raise RuntimeError(
                 f"graphed {self.name}: its offloaded activations are brought back from host memory by the backward "
                 f"graph of {self.prefetched_by.name} (the prefetch, one module ahead, was captured into that graph), "
-                "which has not run since this module's forward. Run the graphed modules' forwards and backwards in "
-                "the order they were captured in every step, or leave this module out of the offload selection."
+                "which was not the last graph of theirs to replay before this backward: it did not run since this "
+                "forward (skipped, or run eagerly because its training mode differs from its capture), or another "
+                "graph replayed in between and may have overwritten them. Run the graphed modules' forwards and "
+                "backwards in the order they were captured, or leave this module out of the offload selection."
             )
+        start_backward(self, node, f"graphed {self.name}")
 
 
 def start_backward(runner, node, what: str) -> None:
@@ -263,7 +267,7 @@ class _Replay(torch.autograd.Function):
                 static.copy_(live)
         launch(runner.captured.fwd_graph, target, runner.captured.join_events)
         runner.replays += 1
-        runner.prefetched = False
+        runner.group.prefetched_for = None
         if track:
             runner._pending = weakref.ref(ctx)
             runner._output_versions = [o._version for o in runner.static_outputs]
@@ -286,6 +290,5 @@ class _Replay(torch.autograd.Function):
             elif grad.data_ptr() != static.data_ptr():
                 static.copy_(grad)
         launch(runner.captured.bwd_graph, ctx.target)  # joins at the end: autograd reads the gradients now
-        for later in runner.prefetches:
-            later.prefetched = True
+        runner.group.prefetched_for = runner.prefetches
         return (None, None, None, *runner.captured.static_grad_inputs)

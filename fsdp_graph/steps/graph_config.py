@@ -188,7 +188,8 @@ def selected_modules(model: nn.Module, config: GraphConfig, field: str = "module
     if not chosen:
         raise ValueError(
             f"GraphConfig: {field}={selection!r} selects no module of the model. Pass a module class (e.g. your "
-            "Block), a predicate (name, module) -> bool, or a list; with modules=None, fully_shard each block first."
+            "Block), a predicate (name, module) -> bool, or a list"
+            + ("; with modules=None, fully_shard each block first." if field == "modules" else ".")
         )
     return chosen
 

@@ -82,7 +82,7 @@ def make_train_step(
         samples = _samples(model, modules, lambda: loss_fn(*micro))
         _graph_layers(config, modules, samples)
     except BaseException:
-        if body.offload is not None:  # (nothing was captured: the offload goes with the failed step)
+        if body.offload is not None and not body.offload.owned:  # (no graph recorded it: it goes with the step)
             body.offload.remove()
         raise
     if config.optimizer_graph:  # last: it pins every unit's gradients for good
