@@ -697,8 +697,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "custom:VOCAB,D,HEADS,LAYERS,SEQ,MICRO_BATCH")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS + OFFLOAD_SYSTEMS)
     p.add_argument("--offload", action="store_true",
-                   help="also run ours_eager_offload[_everyN]: the activations of every (every N-th) block "
-                        "offloaded to pinned host memory")
+                   help="also run ours_eager_offload[_everyN], ours_layer_graphs_offload[_every3] and "
+                        "ours_full_iteration_offload[_every3]: the activations of every (every N-th) block "
+                        "offloaded to pinned host memory, eagerly or recorded in the graphs")
     p.add_argument("--segment-size", type=int, default=SEGMENT_SIZE[0],
                    help="blocks per graph of ours_segment_graphs")
     p.add_argument("--warmup", type=int, default=5)
