@@ -253,3 +253,18 @@ def test_an_hf_model_trains_bitwise_as_eager_with_offload_under_both_strategies(
 
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     run_ranks(_hf_with_offload, 1)
+
+
+def test_a_capture_this_package_did_not_set_up_is_refused():
+    """A user's own ``torch.cuda.graph`` around an offloaded module would record copies into host
+    memory nobody keeps: refused at the first saved tensor, naming the fix."""
+    torch.manual_seed(0)
+    block = Block(64, 192).cuda()
+    fsdp_graph.offload_activations([block], min_bytes=0)
+    x = torch.randn(4, 32, 64, device="cuda", requires_grad=True)
+    block(x).sum().backward()  # (eager offload: fine)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="did not set up for its offload.*graph_modules or make_train_step"):
+        with torch.cuda.graph(graph):
+            block(x)
