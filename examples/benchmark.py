@@ -513,7 +513,7 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
     }
     if timer is not None:
         record["hot_path_us"] = timer.per_call_us()
-    if profile and env.cuda and system in WHOLE_GRAPH_SYSTEMS + ("ours_full_iteration",):
+    if profile and env.cuda and system in WHOLE_GRAPH_SYSTEMS + ("ours_full_iteration",) + OFFLOAD_SYSTEMS:
         record["profile"] = kernel_breakdown(step, batches[warmup:])  # extra steps, after the timed ones
     if hasattr(step, "optimizer_ms"):
         record["optimizer_ms"] = max_over_ranks(step.optimizer_ms(), env)
@@ -630,6 +630,10 @@ def markdown(records: list[dict]) -> str:
                       f"not covered by compute kernels {prof['exposed_ms_per_step']:.2f} ms", "",
                       "| kernels | ms per step |", "|---|---|"]
             lines += [f"| {kind} | {ms:.2f} |" for kind, ms in prof["kernel_ms_per_step"].items()]
+            if prof.get("host_copy_ms_per_step"):
+                lines += ["", f"Copies between device and host memory: {prof['host_copy_ms_per_step']:.2f} "
+                          f"ms per step, {prof['host_copy_hidden_ms_per_step']:.2f} ms of it while compute kernels "
+                          "ran"]
             lines += ["", "| heaviest kernels | ms per step |", "|---|---|"]
             lines += [f"| `{name}` | {ms:.3f} |" for name, ms in prof.get("top_kernels_ms_per_step", {}).items()]
     lines += memory_tables(records)
@@ -707,7 +711,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny model, 1 warm-up and 3 timed steps (CPU/gloo in CI)")
     p.add_argument("--hot-path", action="store_true", help="also time our per-layer hooks and replays (adds overhead)")
     p.add_argument("--profile", action="store_true",
-                   help="also break the whole-graph systems' GPU time down by kernel kind")
+                   help="also break the whole-graph and offload systems' GPU time down by kernel kind (offload: the "
+                        "host copies, and how much of them ran while compute kernels did)")
     p.add_argument("--memory", action="store_true",
                    help="also break each system's peak memory down by category (builds and runs it again)")
     p.add_argument("--deterministic", action="store_true",

@@ -4,7 +4,9 @@ For the benchmark's ``--profile``: what separates a whole-step graph from the fl
 (its host time is ~0), so the question is which kernels run besides the floor's forward and
 backward, and how much of the communication hides behind compute. Kernels are grouped by name;
 ``exposed`` is the step time not covered by compute-stream kernels (communication or gaps the
-compute waits on).
+compute waits on). With activation offload, ``host_copy`` is the time of the copies between device
+and host memory, and ``host_copy_hidden`` the part of it during which compute kernels ran (the
+offload's overlap, read off the trace).
 """
 
 from __future__ import annotations
@@ -23,6 +25,24 @@ KINDS = (  # first match wins
 
 
 TOP_KERNELS, MAX_NAME = 12, 110  # the heaviest kernels by name, names cut to this length
+
+
+HOST_COPY_KEYS = ("dtoh", "htod")  # the profiler's "Memcpy DtoH (Device -> Pinned)" and back
+
+
+def covered_us(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Total length of ``intervals`` that lies inside the union of ``cover`` (each a (start, end))."""
+    merged: list[list[float]] = []
+    for start, end in sorted(cover):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    total = 0.0
+    for start, end in intervals:
+        total += sum(max(0.0, min(end, m_end) - max(start, m_start)) for m_start, m_end in merged
+                     if m_start < end and m_end > start)
+    return total
 
 
 def _kind(name: str) -> str:
@@ -46,6 +66,7 @@ def kernel_breakdown(step, batches, steps: int = 5) -> dict:
     by_kind: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
     compute_us, start, end = 0.0, None, None
+    copies, computes = [], []
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA or event.time_range.elapsed_us() <= 0:
             continue
@@ -53,8 +74,12 @@ def kernel_breakdown(step, batches, steps: int = 5) -> dict:
         kind = _kind(event.name)
         by_kind[kind] += us
         by_name[event.name] += us
-        if not kind.startswith("nccl"):
+        span = (event.time_range.start, event.time_range.end)
+        if any(k in event.name.lower() for k in HOST_COPY_KEYS):
+            copies.append(span)
+        elif not kind.startswith("nccl"):
             compute_us += us
+            computes.append(span)
         start = event.time_range.start if start is None else min(start, event.time_range.start)
         end = event.time_range.end if end is None else max(end, event.time_range.end)
     if start is None:
@@ -62,6 +87,10 @@ def kernel_breakdown(step, batches, steps: int = 5) -> dict:
     wall_ms = (end - start) / 1e3 / steps
     per_step = {kind: us / 1e3 / steps for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1])}
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
-    return {"kernel_ms_per_step": per_step, "gpu_span_ms_per_step": wall_ms,
-            "top_kernels_ms_per_step": {name[:MAX_NAME]: us / 1e3 / steps for name, us in top},
-            "exposed_ms_per_step": max(wall_ms - compute_us / 1e3 / steps, 0.0)}
+    record = {"kernel_ms_per_step": per_step, "gpu_span_ms_per_step": wall_ms,
+              "top_kernels_ms_per_step": {name[:MAX_NAME]: us / 1e3 / steps for name, us in top},
+              "exposed_ms_per_step": max(wall_ms - compute_us / 1e3 / steps, 0.0)}
+    if copies:
+        record["host_copy_ms_per_step"] = sum(e - s for s, e in copies) / 1e3 / steps
+        record["host_copy_hidden_ms_per_step"] = covered_us(copies, computes) / 1e3 / steps
+    return record

@@ -92,6 +92,17 @@ def test_host_call_counter_counts_the_hot_path():
     assert first["fsdp/unit.py:pre_forward"] == 13 and first["fsdp/unit.py:post_backward"] == 13  # 12 blocks + root
 
 
+def test_the_offload_overlap_counts_copy_time_under_overlapping_compute_kernels_once():
+    """--profile's "copies hidden behind compute": a copy's time inside the union of compute kernels."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from step_profile import covered_us
+
+    copies = [(0.0, 10.0), (20.0, 30.0), (40.0, 50.0)]
+    compute = [(8.0, 25.0), (5.0, 12.0), (44.0, 46.0), (45.0, 47.0)]  # overlapping kernels (two streams)
+    assert covered_us(copies, compute) == 5.0 + 5.0 + 3.0
+    assert covered_us(copies, []) == 0.0 and covered_us(copies, [(-1.0, 60.0)]) == 30.0
+
+
 def test_deterministic_mode_names_our_systems_that_are_not_bitwise():
     from examples.benchmark import compare_losses, ours_not_bitwise
 

@@ -70,8 +70,10 @@ class CaptureGroup:
     def __init__(self) -> None:
         self.members: list[GraphedCallable] = []
         self.host_plan = None  # activation offload: the pinned buffers the graphs copy to and from
-        # The member whose offloaded tensors the last replay (a backward) brought back into the pool;
-        # any other replay of the group may overwrite them, and clears it.
+        # The member whose offloaded tensors the last prefetching backward brought back into the pool.
+        # Any forward replay of the group may overwrite them, and clears it; a backward that prefetches
+        # nothing leaves it: it was captured while those tensors were alive (between the prefetch and
+        # its reader), and backward replays out of capture order are refused (check_backward_order).
         self.prefetched_for: GraphedCallable | None = None
 
     def check_backward_order(self, runner: GraphedCallable) -> None:
@@ -290,5 +292,6 @@ class _Replay(torch.autograd.Function):
             elif grad.data_ptr() != static.data_ptr():
                 static.copy_(grad)
         launch(runner.captured.bwd_graph, ctx.target)  # joins at the end: autograd reads the gradients now
-        runner.group.prefetched_for = runner.prefetches
+        if runner.prefetches is not None:  # (a backward captured between a prefetch and its reader keeps it)
+            runner.group.prefetched_for = runner.prefetches
         return (None, None, None, *runner.captured.static_grad_inputs)
