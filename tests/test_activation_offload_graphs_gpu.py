@@ -1,4 +1,5 @@
-"""GPU, one device: activation offload under CUDA graphs (``GraphConfig(offload_activations=...)``).
+"""GPU: activation offload under CUDA graphs (``GraphConfig(offload_activations=...)``), on one device
+and, for the sharded GPT with its collectives, on two ranks.
 
 Per-layer graphs and the whole step record the copies; every loss and the final weights must equal
 an eager run without offload, bitwise, also with every copy delayed (so a missing wait would let
@@ -278,3 +279,51 @@ def test_a_capture_this_package_did_not_set_up_is_refused():
     with pytest.raises(RuntimeError, match="did not set up for its offload.*graph_modules or make_train_step"):
         with torch.cuda.graph(graph):
             block(x)
+
+
+# -- two ranks (NCCL): the sharded GPT, its collectives recorded beside the copies ---------------------
+TWO_RANK_CASES = {  # case -> (strategy, blocks offloaded, GraphConfig fields, micro-batches)
+    "layer, every block": ("layer", slice(None), {}, 1),
+    "layer, every other block, side stream": ("layer", slice(None, None, 2), {"replay_stream": "new"}, 1),
+    "whole step, two micro-batches": ("full_iteration", slice(None), {}, 2),
+}
+
+
+def _sharded_gpt_offload_matches_eager(info, case: str) -> None:
+    """The sharded GPT of the parity tests, clipped, 20 steps: offload under graphs against the
+    eager step without offload, every loss and the final weights bitwise."""
+    from test_full_iteration_gpu import _stacked_batch
+    from test_graph_parity_gpu import STEPS as GPT_STEPS
+    from test_graph_parity_gpu import _build
+
+    torch.use_deterministic_algorithms(True)
+    strategy, chosen, fields, accum = TWO_RANK_CASES[case]
+
+    def train(offload: bool):
+        model = _build(info, oversized_block=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
+        extra = {k: torch.cuda.Stream() if v == "new" else v for k, v in fields.items()} if offload else {}
+        config = GraphConfig(strategy=strategy if offload else "none", num_warmup_iters=2, offload_min_bytes=0,
+                             offload_activations=list(model.blocks[chosen]) if offload else None, **extra)
+        step = fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, opt, config=config, max_grad_norm=1.0,
+                                          example_batch=_stacked_batch(0, info, accum), grad_accum_steps=accum)
+        losses = torch.stack([step(*_stacked_batch(s, info, accum)).detach().clone() for s in range(GPT_STEPS)])
+        if offload and strategy == "layer":
+            runners = [block.forward for block in model.blocks[chosen]]
+            assert [r.prefetched_by for r in runners[:-1]] == runners[1:], "the backward graphs prefetch no copies"
+        elif offload:
+            assert step.replays == GPT_STEPS - 2 and step.host_plans, "the whole step recorded no offload"
+        return losses, fsdp_graph.full_state_dict(model)
+
+    eager = train(offload=False)
+    assert eager[0][-1] < eager[0][0] - 0.1, f"the model should be learning: {eager[0].tolist()}"
+    _assert_same(train(offload=True), eager, f"rank {info.rank}, {case}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("case", list(TWO_RANK_CASES))
+def test_offload_under_graphs_on_two_ranks_trains_bitwise_as_eager(case):
+    from dist_harness import run_ranks
+
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_sharded_gpt_offload_matches_eager, 2, case)
