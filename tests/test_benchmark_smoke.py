@@ -101,6 +101,7 @@ def test_the_offload_overlap_counts_copy_time_under_overlapping_compute_kernels_
     compute = [(8.0, 25.0), (5.0, 12.0), (44.0, 46.0), (45.0, 47.0)]  # overlapping kernels (two streams)
     assert covered_us(copies, compute) == 5.0 + 5.0 + 3.0
     assert covered_us(copies, []) == 0.0 and covered_us(copies, [(-1.0, 60.0)]) == 30.0
+    assert covered_us([(0.0, 100.0)], [(30.0, 40.0), (10.0, 20.0)]) == 20.0  # one copy over two kernels
 
 
 def test_deterministic_mode_names_our_systems_that_are_not_bitwise():

@@ -212,6 +212,36 @@ def test_backwards_must_run_in_reverse_capture_order_within_one_pool():
     assert graphed_first.replays == 2 and graphed_second.replays == 1
 
 
+def _four_in_one_pool_block_2_prefetching_block_0():
+    """Four emulated graphs captured into one pool, as activation offload of every other block
+    links them (``capture._link_prefetches``): block 2's backward graph prefetches block 0's."""
+    graphed = [emulated(Scaled(), (torch.randn(2, 3, requires_grad=True),))[0] for _ in range(4)]
+    group = graphed[0].group
+    for index, g in enumerate(graphed[1:], 1):
+        g.group, g.index = group, index
+        group.members.append(g)
+    graphed[0].prefetched_by, graphed[2].prefetches = graphed[2], graphed[0]
+    return graphed
+
+
+def test_a_prefetch_survives_the_backwards_between_it_and_its_reader_not_a_forward_replay():
+    graphed = _four_in_one_pool_block_2_prefetching_block_0()
+    for _ in range(2):  # backward 3, 2 (prefetches 0), 1 (prefetches nothing), 0 (reads): allowed
+        h = [torch.randn(2, 3, requires_grad=True)]
+        for g in graphed:
+            h.append(g(h[-1]))
+        h[4].sum().backward()
+    assert graphed[0].group.prefetched_for is graphed[0]
+    h = [torch.randn(2, 3, requires_grad=True)]
+    for g in graphed:
+        h.append(g(h[-1]))
+    (grad,) = torch.autograd.grad(h[4].sum(), h[2])  # backward 3 and 2: block 0's tensors are back
+    with torch.no_grad():
+        graphed[3](torch.randn(2, 3))  # an evaluation replay of block 3 may overwrite them
+    with pytest.raises(RuntimeError, match="a forward graph of the group or another prefetching backward replayed"):
+        h[2].backward(grad)
+
+
 def test_replay_under_another_autocast_setting_is_refused():
     _, graphed, graphs = _graphed()
     graphed.captured.autocast = (True, torch.bfloat16)  # as if captured inside torch.autocast("cuda")

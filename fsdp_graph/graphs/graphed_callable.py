@@ -71,9 +71,10 @@ class CaptureGroup:
         self.members: list[GraphedCallable] = []
         self.host_plan = None  # activation offload: the pinned buffers the graphs copy to and from
         # The member whose offloaded tensors the last prefetching backward brought back into the pool.
-        # Any forward replay of the group may overwrite them, and clears it; a backward that prefetches
-        # nothing leaves it: it was captured while those tensors were alive (between the prefetch and
-        # its reader), and backward replays out of capture order are refused (check_backward_order).
+        # Any forward replay of the group may overwrite them, and clears it. A backward that prefetches
+        # nothing leaves it: while the reader's backward is pending, check_backward_order lets only the
+        # backwards of members captured between the reader and the prefetcher run (the prefetcher was
+        # checked when it ran), and those were captured while the prefetched tensors were alive.
         self.prefetched_for: GraphedCallable | None = None
 
     def check_backward_order(self, runner: GraphedCallable) -> None:
@@ -223,9 +224,9 @@ class GraphedCallable:
             raise RuntimeError(
                 f"graphed {self.name}: its offloaded activations are brought back from host memory by the backward "
                 f"graph of {self.prefetched_by.name} (the prefetch, one module ahead, was captured into that graph), "
-                "which was not the last graph of theirs to replay before this backward: it did not run since this "
-                "forward (skipped, or run eagerly because its training mode differs from its capture), or another "
-                "graph replayed in between and may have overwritten them. Run the graphed modules' forwards and "
+                "which did not replay since the group's last forward replay (skipped, or run eagerly because its "
+                "training mode differs from its capture), or a forward graph of the group or another prefetching "
+                "backward replayed in between and may have overwritten them. Run the graphed modules' forwards and "
                 "backwards in the order they were captured, or leave this module out of the offload selection."
             )
         start_backward(self, node, f"graphed {self.name}")
