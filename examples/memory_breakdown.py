@@ -66,14 +66,18 @@ def _storage_categories(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return found
 
 
+def _private_pool_segments(snapshot: dict) -> list[dict]:
+    """The allocator's segments that belong to a CUDA graph's private pool."""
+    return [s for s in snapshot["segments"] if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+
+
 def _graph_pool_segments(snapshot: dict) -> list[tuple[int, int]]:
-    return [(s["address"], s["address"] + s["total_size"]) for s in snapshot["segments"]
-            if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    return [(s["address"], s["address"] + s["total_size"]) for s in _private_pool_segments(snapshot)]
 
 
 def graph_pool_bytes() -> tuple[int, int]:
     """(size, allocated) in bytes of the CUDA graphs' private pools now."""
-    pools = [s for s in torch.cuda.memory._snapshot()["segments"] if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    pools = _private_pool_segments(torch.cuda.memory._snapshot())
     return sum(s["total_size"] for s in pools), sum(s["allocated_size"] for s in pools)
 
 
