@@ -660,7 +660,29 @@ def memory_tables(records: list[dict]) -> list[str]:
             lines.append(f"| {c} | " + " | ".join(f"{r['memory']['categories'].get(c, 0):.3f}" for r in rows) + " |")
         peaks = " | ".join(f"{r['memory']['peak_gib']:.3f}" for r in rows)
         lines.append(f"| **peak (rank 0)** | {peaks} |")
+        lines += [f"| peak at | {' | '.join(str(r['memory'].get('peak_site')) for r in rows)} |"]
+        for r in rows:
+            if r["memory"].get("pool"):
+                lines += pool_table(config, r["system"], r["memory"]["pool"])
+                lines += site_table(config, r["system"], r["memory"]["outside_sites"])
     return lines
+
+
+def pool_table(config: str, system: str, pool: dict) -> list[str]:
+    """A system's graph pools at their fullest: what was alive in them, by kind and by site."""
+    lines = ["", f"Graph pools of {config} / {system} at their fullest (GiB): size {pool['pool_gib']:.3f} "
+             f"({pool['pools_gib_at_end']:.3f} at the end), alive {pool['alive_gib']:.3f}:", "",
+             "| alive in the pools | GiB | blocks |", "|---|---|---|"]
+    lines += [f"| {kind} | {gib:.3f} | |" for kind, gib in pool["kinds"].items()]
+    lines += [f"| at {site['site']} | {site['gib']:.3f} | {site['blocks']} |" for site in pool["sites"]]
+    return lines
+
+
+def site_table(config: str, system: str, sites: list[dict]) -> list[str]:
+    """Where the blocks alive outside the pools at a system's peak were allocated (its tensors aside)."""
+    return ["", f"Allocated outside the graph pools and alive at the peak, {config} / {system} (parameters, "
+            "gradients and optimizer state aside):", "", "| site | GiB | blocks |", "|---|---|---|",
+            *(f"| {site['site']} | {site['gib']:.3f} | {site['blocks']} |" for site in sites)]
 
 
 def plot(records: list[dict], path: str) -> bool:

@@ -2,16 +2,20 @@
 
 For the benchmark's ``--memory``: the system is built and run for a few steps while the CUDA
 allocator records every allocation and free with its Python stack. Replaying that trace gives the
-moment of the peak and the blocks alive at it; each block is put in one category:
+moment of the peak of (the blocks alive outside the CUDA graphs' private pools + the pools' size:
+a pool is used whole by every replay, whether or not a tensor is allocated in it now) and the
+blocks alive then; each block outside the pools is put in one category:
 
 * by the tensor it backs at the end of the run (address match): the parameters (the sharded
   masters), their gradients, the optimizer state;
-* by its memory pool: the private pool of a CUDA graph (the captured step's activations and
-  temporaries);
-* by the Python frames that allocated it: fsdp_graph's persistent unsharded parameter and
-  gradient buffers and its collective staging, FSDP2's unsharded parameters and collective
-  buffers, the model's forward (activations), the backward (no Python frame: autograd's
-  gradients and temporaries).
+* by the Python frames that allocated it: the graphs' static inputs and gradient buffers,
+  fsdp_graph's persistent unsharded parameter and gradient buffers and its collective staging,
+  FSDP2's unsharded parameters and collective buffers, the model's forward (activations), the
+  backward (no Python frame: autograd's gradients and temporaries).
+
+The pools are one category, and are opened separately at the moment they held the most: what was
+alive in them by kind (a forward graph's saved activations and outputs, a backward graph's
+gradients and temporaries) and by allocation site; the rest of their size was free then.
 
 One method for every system, FSDP2 included, reading only torch's allocator, the model's
 parameters and the optimizer's state.
@@ -19,6 +23,7 @@ parameters and the optimizer's state.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -29,6 +34,12 @@ SHARDED_GRADS, OPT_STATE = "gradients (sharded, fp32; floor: whole, bf16)", "opt
 STAGING = "collective staging (fsdp_graph: shared and persistent, or a wide unit's own)"
 BUFFERS = "unsharded parameter and gradient buffers (persistent, fsdp_graph)"
 GRAPH_POOL = "CUDA graph pool (the captured step's activations and temporaries)"
+STATICS = "graphs' static inputs and gradient buffers (outside the pool)"
+INNERMOST_RULES = (  # (file, function, category) of the innermost frame (or the one around a comprehension)
+    ("fsdp_graph/graphs/capture.py", "static_copy", STATICS),
+    ("fsdp_graph/graphs/capture.py", "backward_pass", STATICS),  # (the static gradient outputs)
+    ("fsdp_graph/graphs/segment_graphs.py", "_warm_up_and_capture", STATICS),  # (its gradient outputs)
+)
 FRAME_RULES = (  # (substring of a frame's file, function name or None, category); first frame that matches wins
     ("fsdp_graph/fsdp/buffers.py", "allocate_staging", STAGING),
     ("fsdp_graph/fsdp/param_group.py", "_issue_unshard", STAGING),  # a wide unit's own, per all-gather
@@ -82,6 +93,11 @@ def graph_pool_bytes() -> tuple[int, int]:
 
 
 def _by_frames(frames: list[dict]) -> str:
+    innermost = frames[:2] if frames and frames[0]["name"].startswith("<") else frames[:1]
+    for frame in innermost:
+        for file_part, function, category in INNERMOST_RULES:
+            if file_part in frame["filename"] and frame["name"] == function:
+                return category
     for frame in frames:
         for file_part, function, category in FRAME_RULES:
             if file_part in frame["filename"] and (function is None or frame["name"] == function):
@@ -89,31 +105,116 @@ def _by_frames(frames: list[dict]) -> str:
     return FORWARD if frames else BACKWARD
 
 
-def _live_at_peak(trace: list[dict]) -> tuple[int, dict[int, dict]]:
-    """The largest sum of live allocations in the trace, and the allocations alive then."""
-    def replay(stop: int | None):
-        live, total, best, best_at = {}, 0, -1, 0
-        for i, event in enumerate(trace):
-            if stop is not None and i > stop:
-                break
-            action, addr = event["action"], event["addr"]
-            if action == "alloc":
-                live[addr] = event
-                total += event["size"]
-                if total > best:
-                    best, best_at = total, i
-            elif action in ("free_requested", "free_completed") and addr in live:
-                total -= live.pop(addr)["size"]
-        return best, best_at, live
+class _Timeline:
+    """Walks the allocator's trace, keeping the live blocks outside and inside the CUDA graphs'
+    private pools, and the pools' size (their segments made so far): the peak counts a pool whole,
+    as the benchmark's peak column does, since replays use all of it."""
 
-    best, best_at, _ = replay(None)
-    _, _, live = replay(best_at)
-    return best, live
+    def __init__(self, trace: list[dict], pool_segments: list[tuple[int, int]]) -> None:
+        self.ranges = sorted(pool_segments)
+        self.starts = [lo for lo, _ in self.ranges]
+        # A pool's segment is the last one made at its address (an ordinary segment may have been
+        # there before, and given back): the events that made the pools' segments.
+        last = {event["addr"]: i for i, event in enumerate(trace) if event["action"] == "segment_alloc"}
+        self.pool_births = {last[lo] for lo in self.starts if lo in last}
+        self.pool_alive: set[int] = set()  # starts of the pool segments made so far (and not freed)
+        self.outside: dict[int, dict] = {}
+        self.inside: dict[int, dict] = {}
+        self.outside_bytes = self.inside_bytes = self.pool_size = 0
+
+    def _pool_segment_of(self, addr: int) -> int | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i >= 0 and addr < self.ranges[i][1] and self.starts[i] in self.pool_alive:
+            return self.starts[i]
+        return None
+
+    def step(self, i: int, event: dict) -> None:
+        action, addr, size = event["action"], event["addr"], event["size"]
+        if i in self.pool_births:
+            self.pool_alive.add(addr)
+            self.pool_size += size
+        elif action == "segment_free" and addr in self.pool_alive:
+            self.pool_alive.discard(addr)
+            self.pool_size -= size
+        elif action == "alloc":
+            if self._pool_segment_of(addr) is not None:
+                self.inside[addr] = event
+                self.inside_bytes += size
+            else:
+                self.outside[addr] = event
+                self.outside_bytes += size
+        elif action in ("free_requested", "free_completed"):
+            for live, attr in ((self.outside, "outside_bytes"), (self.inside, "inside_bytes")):
+                if addr in live:
+                    setattr(self, attr, getattr(self, attr) - live.pop(addr)["size"])
+
+    @property
+    def total(self) -> int:
+        return self.outside_bytes + self.pool_size
+
+
+def _replayed(trace: list[dict], pools: list[tuple[int, int]], stop: int) -> _Timeline:
+    timeline = _Timeline(trace, pools)
+    for i, event in enumerate(trace[: stop + 1]):
+        timeline.step(i, event)
+    return timeline
+
+
+def _peaks(trace: list[dict], pools: list[tuple[int, int]]) -> tuple[int, int]:
+    """The events after which (live outside the pools + the pools' size) and the pools' own live
+    bytes are largest."""
+    timeline, best, best_pool, at, at_pool = _Timeline(trace, pools), -1, -1, 0, 0
+    for i, event in enumerate(trace):
+        timeline.step(i, event)
+        if timeline.total > best:
+            best, at = timeline.total, i
+        if timeline.inside_bytes > best_pool:
+            best_pool, at_pool = timeline.inside_bytes, i
+    return at, at_pool
+
+
+def _site(frames: list[dict]) -> str:
+    """The innermost frame outside torch: where a block was allocated, for the pool's table."""
+    for frame in frames:
+        if "/torch/" not in frame["filename"]:
+            return f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}"
+    return "autograd (no Python frame: a backward's gradients and temporaries)"
+
+
+def _pool_kind(frames: list[dict]) -> str:
+    names = {frame["name"] for frame in frames}
+    if not frames:
+        return "backward graphs: gradients and temporaries (autograd)"
+    if names & {"forward_pass", "_run_forward"}:
+        return "forward graphs: saved activations and outputs"
+    return f"other graphs ({_site(frames)})"
+
+
+def _top_sites(events, count: int = 12) -> list[dict]:
+    """The allocation sites of ``events`` holding the most, with their block counts."""
+    sites: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for event in events:
+        site = sites[_site(event.get("frames", []))]
+        site[0] += 1
+        site[1] += event["size"] / 2**30
+    top = sorted(sites.items(), key=lambda kv: -kv[1][1])[:count]
+    return [{"site": site, "blocks": n, "gib": gib} for site, (n, gib) in top]
+
+
+def _pool_contents(timeline: _Timeline) -> dict:
+    """At the moment the pools held the most: their size, what was alive by kind and by site."""
+    kinds: dict[str, float] = defaultdict(float)
+    for event in timeline.inside.values():
+        kinds[_pool_kind(event.get("frames", []))] += event["size"] / 2**30
+    return {"pool_gib": timeline.pool_size / 2**30, "alive_gib": timeline.inside_bytes / 2**30,
+            "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "sites": _top_sites(timeline.inside.values())}
 
 
 def breakdown(run: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer | None]]) -> dict:
     """Run ``run()`` (build a system and train a few steps; returns its model and optimizer) with
-    the allocator recording, and return {"peak_gib", "categories": {category: GiB}} at the peak."""
+    the allocator recording, and return, at the peak of (live outside the graph pools + the pools'
+    size): {"peak_gib", "categories": {category: GiB}, "peak_site"}, and "pool": the pools at their
+    fullest (what was alive in them, by kind and by allocation site) when there are any."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -123,18 +224,25 @@ def breakdown(run: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer | N
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    trace = snapshot["device_traces"][torch.cuda.current_device()]
-    by_storage = _storage_categories(model, optimizer)
-    pools = _graph_pool_segments(snapshot)
-    peak, live = _live_at_peak(trace)
+    return categorized(snapshot["device_traces"][torch.cuda.current_device()], _graph_pool_segments(snapshot),
+                       _storage_categories(model, optimizer))
+
+
+def categorized(trace: list[dict], pools: list[tuple[int, int]], by_storage: dict[int, str]) -> dict:
+    """``breakdown``'s result from a trace, the pools' segments and the storages' categories."""
+    at, at_pool = _peaks(trace, pools)
+    timeline = _replayed(trace, pools, at)
     categories: dict[str, float] = defaultdict(float)
-    for addr, event in live.items():
-        if addr in by_storage:
-            category = by_storage[addr]
-        elif any(lo <= addr < hi for lo, hi in pools):
-            category = GRAPH_POOL
-        else:
-            category = _by_frames(event.get("frames", []))
+    for addr, event in timeline.outside.items():
+        category = by_storage.get(addr) or _by_frames(event.get("frames", []))
         categories[category] += event["size"] / 2**30
-    return {"peak_gib": peak / 2**30,
-            "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1]))}
+    if timeline.pool_size:
+        categories[GRAPH_POOL] += timeline.pool_size / 2**30
+    result = {"peak_gib": timeline.total / 2**30,
+              "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+              "peak_site": _site(trace[at].get("frames", [])) if trace else None,
+              "outside_sites": _top_sites(e for a, e in timeline.outside.items() if a not in by_storage)}
+    if pools:
+        result["pool"] = _pool_contents(_replayed(trace, pools, at_pool))
+        result["pool"]["pools_gib_at_end"] = _replayed(trace, pools, len(trace) - 1).pool_size / 2**30
+    return result
