@@ -70,6 +70,10 @@ class UnitGradients:
         self._zeros = _Zeros(layout, compute_dtype, self.device)  # for a frozen parameter, or one that got none
         self.use = GradientUse()  # which parameters got a gradient (``unused_params.py``)
 
+    def release_zeros(self) -> None:
+        """Give back the zeros read for parameters without a gradient (made again when next needed)."""
+        self._zeros.release()
+
     def refresh_trainable(self) -> None:
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         self._masters = [self.params[i].master for i in self.trainable]
@@ -326,3 +330,7 @@ class _Zeros:
                 numel = max(span.numel for span in self.layout.spans)
                 self._zero = torch.zeros(numel, dtype=self.dtype, device=self.device)
         return self._zero[: shape.numel()].view(shape)
+
+    def release(self) -> None:
+        """Made again when next needed (a reduce still reading it holds its views)."""
+        self._zero = None

@@ -153,6 +153,10 @@ class FSDPUnit:
         """Replay this unit's unshard and reduce bodies as CUDA graphs (``collective_graphs.py``), or
         run them eagerly again (None)."""
         self.param_group.collective_graphs = self.grads.collective_graphs = graphs
+        if graphs is not None:
+            # The capture's passes left every parameter without a gradient (they differentiate stand-ins),
+            # so its reduces read zeros; a reduce that replays reads the unit's gradient buffer instead.
+            self.grads.release_zeros()
 
     def _refuse_unbound(self, step: str) -> None:
         raise RuntimeError(

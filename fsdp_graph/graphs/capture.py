@@ -32,7 +32,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from ..fsdp.capture_interface import pin_addresses
 from .activation_offload import OFFLOAD_MARK, HostPlan
+from .chained_buffers import alias_if_fits, chained_sources
 from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .host_sync import no_host_sync
 from .replay_stream import check_target, recording_joins, replay_target
@@ -185,6 +186,7 @@ class ForwardPass:
     real_params: list[nn.Parameter]  # the module's parameters, which autograd sees at replay
     joins: dict  # the JoinEvents the forward recorded (captured: each with its CUDA event)
     offload_call: Any = None  # an offloaded module's call (activation_offload._Call): what it saved
+    chained: list = field(default_factory=list)  # input tensor indices that alias the previous module's outputs
 
 
 def _capturing(graph, pool, stream):
@@ -193,11 +195,22 @@ def _capturing(graph, pool, stream):
     return torch.cuda.graph(graph, pool=pool, stream=stream)
 
 
-def forward_pass(call: CaptureTarget, graph=None, pool=None, stream=None) -> ForwardPass:
+def forward_pass(call: CaptureTarget, graph=None, pool=None, stream=None,
+                 chained: dict[int, torch.Tensor] | None = None) -> ForwardPass:
+    """``chained``: input tensor index -> the previous module's captured output to read it from
+    (``chained_buffers.py``), where the capture sees the same structure, shape and dtype."""
     args, kwargs = tree_map(static_copy, call.sample)
     args, kwargs = call.run_pre_forward(args, kwargs)
     flat, spec = tree_flatten((args, kwargs))
-    leaves = [static_copy(x) for x in flat]
+    if chained and spec != tree_flatten(call.sample)[1]:
+        chained = None  # (a hook changed the call's structure: the recorded positions do not apply)
+    leaves, aliased, position = [], [], 0
+    for x in flat:
+        alias = alias_if_fits(x, chained.get(position)) if chained and isinstance(x, torch.Tensor) else None
+        if alias is not None:
+            aliased.append(position)
+        leaves.append(static_copy(x) if alias is None else alias)
+        position += isinstance(x, torch.Tensor)
     args, kwargs = tree_unflatten(leaves, spec)
     # After the pre-forward hooks: FSDP has swapped its persistent unsharded parameters in.
     params, places = call.parameters(), call.parameter_places()
@@ -216,7 +229,7 @@ def forward_pass(call: CaptureTarget, graph=None, pool=None, stream=None) -> For
             holder[attr] = p
     call.run_forward(args, outputs)
     return ForwardPass(spec, leaves, args, kwargs, outputs, [stand_ins[id(p)] for p in params], places, params, joins,
-                       saved)
+                       saved, aliased)
 
 
 def _offloaded(call: CaptureTarget, leaves: list, graph):
@@ -241,14 +254,19 @@ def _differentiable(fwd: ForwardPass) -> tuple[list, list]:
     return [i for i, o in enumerate(outputs) if o.requires_grad], [i for i, x in enumerate(inputs) if x.requires_grad]
 
 
-def backward_pass(call: CaptureTarget, fwd: ForwardPass, graph=None, pool=None, stream=None):
-    """Returns (grad_outputs, grads) for the differentiable outputs and inputs, or None."""
+def backward_pass(call: CaptureTarget, fwd: ForwardPass, graph=None, pool=None, stream=None,
+                  chained: dict[int, torch.Tensor] | None = None):
+    """Returns (grad_outputs, grads) for the differentiable outputs and inputs, or None.
+    ``chained``: output tensor index -> the next module's static input gradient to read its
+    gradient from (``chained_buffers.py``)."""
     call.run_backward_hooks("pre_backward")
     out_positions, in_positions = _differentiable(fwd)
     outputs, inputs = _tensors(fwd)
     result = None
     if out_positions and in_positions:
-        grad_outputs = [torch.zeros_like(outputs[i]) for i in out_positions]  # static, allocated outside the capture
+        chained = chained or {}
+        grad_outputs = [  # static: allocated outside the capture, or the next module's input gradient
+            chained[i] if i in chained else torch.zeros_like(outputs[i]) for i in out_positions]
         fetching = nullcontext() if fwd.offload_call is None else call.offload.graph_backward(
             fwd.offload_call, graph is not None)  # (its saved tensors back; the previous module's prefetched)
         with _capturing(graph, pool, stream), fetching:
@@ -427,10 +445,11 @@ def make_graphed_callables(
 def capture_callables(
     modules: list, names: list[str], sample_args, sample_kwargs, num_warmup_iters: int, capture_time_hooks,
     pre_warmup_hook, post_warmup_hook, pool, eager: list, forward_only: bool = False, *,
-    replay_stream=None, join_event=None,
+    replay_stream=None, join_event=None, links=None,
 ) -> list[GraphedCallable]:
     """``make_graphed_callables`` with names for error messages and each module's eager forward.
-    ``forward_only``: capture forward graphs only, under ``torch.no_grad()`` (evaluation)."""
+    ``forward_only``: capture forward graphs only, under ``torch.no_grad()`` (evaluation).
+    ``links``: ``graph_modules``' ``chained_inputs`` (``chained_buffers.py``)."""
     sample_args, sample_kwargs = _check_arguments(modules, sample_args, sample_kwargs, num_warmup_iters)
     targets = default_targets(replay_stream, join_event, names)
     hooks = normalize_capture_time_hooks(capture_time_hooks, len(modules))
@@ -444,7 +463,7 @@ def capture_callables(
     plan = _own_offload(calls, where, forward_only)
     try:
         return _capture(calls, num_warmup_iters, pre_warmup_hook, post_warmup_hook, pool, eager, forward_only,
-                        targets, where, plan)
+                        targets, where, plan, links)
     except BaseException:
         for call in calls:
             if call.plan is not None:
@@ -466,7 +485,7 @@ def _own_offload(calls: list[CaptureTarget], where: str, forward_only: bool) -> 
 
 
 def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook, post_warmup_hook, pool,
-             eager: list, forward_only: bool, targets: list, where: str, plan: HostPlan | None) -> list:
+             eager: list, forward_only: bool, targets: list, where: str, plan: HostPlan | None, links) -> list:
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -491,11 +510,7 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
             call.fwd_graph, call.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         if plan is not None:
             plan.start_pass()
-        passes = [forward_pass(call, call.fwd_graph, pool, stream) for call in calls]
-        backwards = [None] * len(calls)
-        for i in reversed(range(len(calls))):
-            if not forward_only:
-                backwards[i] = backward_pass(calls[i], passes[i], calls[i].bwd_graph, pool, stream)
+        passes, backwards = capture_pass(calls, links, forward_only, pool, stream)
     torch.cuda.current_stream().wait_stream(stream)
     for call, fwd, target in zip(calls, passes, targets):  # (refused before anything is pinned or installed)
         check_target(target, fwd.joins, f"graphed {call.name}", stream.device)
@@ -509,9 +524,44 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
     ]
     for runner, target in zip(graphed, targets):
         runner.replay_default, runner.device = target, stream.device
+    link_chains(graphed, passes)
     if plan is not None:
         _link_prefetches(graphed, passes, plan)
     return graphed
+
+
+def capture_pass(calls: list[CaptureTarget], links, forward_only: bool, pool=None, stream=None,
+                 capturing: bool = True) -> tuple[list[ForwardPass], list]:
+    """Forwards in call order, then backwards in reverse, into ``calls``' graphs (emulated graphs in
+    CPU tests: ``capturing=False``); inputs and output gradients chained as ``links`` say."""
+    passes: list[ForwardPass] = []
+    for i, call in enumerate(calls):
+        chained = chained_sources(links[i], _tensors(passes[-1])[0]) if links and i else None
+        passes.append(forward_pass(call, call.fwd_graph if capturing else None, pool, stream, chained))
+    backwards: list = [None] * len(calls)
+    for i in reversed(range(len(calls))):
+        if not forward_only:
+            chained = _gradients_of_chained(passes, backwards, links, i) if links else None
+            backwards[i] = backward_pass(calls[i], passes[i], calls[i].bwd_graph if capturing else None, pool, stream,
+                                         chained)
+    return passes, backwards
+
+
+def link_chains(graphed: list[GraphedCallable], passes: list[ForwardPass]) -> None:
+    for previous, runner, fwd in zip(graphed, graphed[1:], passes[1:]):
+        if fwd.chained:
+            runner.chain_to(previous, fwd.chained)
+
+
+def _gradients_of_chained(passes: list[ForwardPass], backwards: list, links, i: int) -> dict[int, torch.Tensor]:
+    """Output tensor index of module ``i`` -> the static gradient the next module's backward wrote
+    for the input that aliases it (where there is one: that input needed a gradient)."""
+    if i + 1 >= len(passes) or backwards[i + 1] is None:
+        return {}
+    following = passes[i + 1]
+    _, in_positions = _differentiable(following)
+    grads = dict(zip(in_positions, backwards[i + 1][1]))
+    return {k: grads[j] for j, k in links[i + 1] if j in following.chained and grads.get(j) is not None}
 
 
 def _link_prefetches(graphed: list[GraphedCallable], passes: list[ForwardPass], plan: HostPlan) -> None:

@@ -47,6 +47,7 @@ from ..fsdp.capture_interface import (
 )
 from .activation_offload import refuse_offloaded
 from .capture import argument_names, capture_callables, default_targets, require_cuda, static_copy
+from .chained_buffers import LinkRecorder, Links, SampleCalls
 from .frozen_arguments import new_object_each_call, same
 from .graphed_callable import GraphedCallable
 from .reroute import ModuleHooks, hooks_taken_off, seal_submodule_hooks
@@ -184,41 +185,48 @@ def _capturable_forward(module: nn.Module, forward_only: bool) -> Iterator[None]
             module.forward = installed
 
 
-def record_sample_args(modules: list[nn.Module], run: Callable[[], object]) -> list[tuple[tuple, dict]]:
+def record_sample_args(modules: list[nn.Module], run: Callable[[], object]) -> SampleCalls:
     """The arguments each module receives during ``run()`` (its first call), as detached copies
-    that keep ``requires_grad``: samples for ``graph_modules`` that match the real calls.
+    that keep ``requires_grad``: samples for ``graph_modules`` that match the real calls. Their
+    ``links`` say which inputs were the previous module's output itself, in both calls: the
+    ``chained_inputs`` of ``graph_modules`` (``chained_buffers.py``).
 
     ``run`` is called twice, and a non-tensor argument that differs between the two calls (an
     object built anew on every call, such as HF's KV cache) is refused here, before any capture:
     the graph would freeze it and no later call could replay (``frozen_arguments.py``)."""
-    calls = [_first_calls(modules, run), _first_calls(modules, run)]
-    missing = [_describe(m, i) for i, (m, s) in enumerate(zip(modules, calls[0])) if s is None]
+    (first, first_links), (second, second_links) = _first_calls(modules, run), _first_calls(modules, run)
+    missing = [_describe(m, i) for i, (m, s) in enumerate(zip(modules, first)) if s is None]
     if missing:
         raise ValueError(
             f"{missing[0]} was selected for a graph but did not run in the example forward; select modules "
             "the model runs on every step (or graph it with graph_modules and your own sample arguments)."
         )
-    for i, (module, first, second) in enumerate(zip(modules, *calls)):
-        _refuse_new_objects(f"graphing {_describe(module, i)}", first, second)
-    return calls[0]
+    for i, (module, a, b) in enumerate(zip(modules, first, second)):
+        _refuse_new_objects(f"graphing {_describe(module, i)}", a, b)
+    samples = SampleCalls(first)
+    samples.links = [[pair for pair in a if pair in b] for a, b in zip(first_links, second_links)]
+    return samples
 
 
-def _first_calls(modules: list[nn.Module], run: Callable[[], object]) -> list:
+def _first_calls(modules: list[nn.Module], run: Callable[[], object]) -> tuple[list, Links]:
     samples: list = [None] * len(modules)
+    links = LinkRecorder(len(modules))
 
     def recorder(i: int):
         def hook(module, args, kwargs):
             if samples[i] is None:
                 samples[i] = tree_map(static_copy, (tuple(args), dict(kwargs)))  # no autograd graph kept
+                links.note_input(i, args, kwargs)
         return hook
 
     handles = [m.register_forward_pre_hook(recorder(i), with_kwargs=True, prepend=True) for i, m in enumerate(modules)]
+    handles += [m.register_forward_hook(links.output_hook(i), prepend=True) for i, m in enumerate(modules)]
     try:
         run()
     finally:
         for handle in handles:
             handle.remove()
-    return samples
+    return samples, links.links
 
 
 def _refuse_new_objects(where: str, first: tuple, second: tuple | None) -> None:
@@ -242,6 +250,7 @@ def graph_modules(
     collective_graphs: bool | None = None,
     replay_stream: torch.cuda.Stream | None = None,
     join_event=None,
+    chained_inputs: Links | None = None,
 ) -> list[GraphedCallable]:
     """Capture each module's forward and backward as CUDA graphs and install them in place.
 
@@ -266,7 +275,18 @@ def graph_modules(
     stream joining at the end of each replay or, for a forward, at ``join_event`` (a ``JoinEvent``
     the module's forward records, or one per module); ``replay_on`` overrides it per call
     (``replay_stream.py``).
+
+    ``chained_inputs``: per module, pairs (index among its input tensors, index among the previous
+    module's output tensors) that are the same tensor in the model's forward, as
+    ``record_sample_args(...).links`` finds them: the two share one static buffer, and so do their
+    gradients (``chained_buffers.py``). Training graphs only.
     """
+    if chained_inputs is not None and (forward_only or len(chained_inputs) != len(modules)):
+        raise ValueError(
+            "graph_modules: chained_inputs needs one list of pairs per module (record_sample_args(...).links), and "
+            f"training graphs; got {len(chained_inputs)} for {len(modules)} modules"
+            + (" with forward_only=True. Drop chained_inputs." if forward_only else ".")
+        )
     if collective_graphs is not None and not isinstance(collective_graphs, bool):
         raise TypeError(f"graph_modules: collective_graphs must be True, False or None, got {collective_graphs!r}")
     modules = list(modules)
@@ -293,6 +313,7 @@ def graph_modules(
             graphed = capture_callables(
                 modules, names, sample_args, sample_kwargs, num_warmup_iters, capture_time_hooks,
                 None, None, pool, eager, forward_only, replay_stream=replay_stream, join_event=join_event,
+                links=chained_inputs,
             )
     replay_collectives(list({id(u): u for u in units if u is not None}.values()), collective_graphs)
     for module, name, runner in zip(modules, names, graphed):

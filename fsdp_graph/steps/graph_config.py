@@ -13,6 +13,11 @@ Independent settings (after Megatron's split):
 * ``segment_size``, for ``"layer"``: k > 1 graphs k consecutive blocks (FSDP units) per graph
   with their FSDP steps inside (``graph_segments``), for blocks too small to hide the host's
   work per layer; 1 (the default) graphs each module on its own;
+* ``chain_static_buffers``, for ``"layer"`` with one module per graph: where the example forward
+  passes a graphed block's output straight to the next one, the two share one static buffer, and
+  so do their gradients (``chained_buffers.py``); a call that passes the next block another tensor
+  while the previous output is still readable is refused. True by default; False for a model whose
+  code between the blocks changes from call to call;
 * ``optimizer_graph``, for ``"layer"``: the clipping and the optimizer step replayed as CUDA graphs
   of their own (``graph_optimizer_step``); ``"full_iteration"`` has them inside its graph already;
 * ``offload_activations``, for training under any strategy: the modules whose saved activations
@@ -63,6 +68,9 @@ class GraphConfig:
     offload_activations: Selection | Sequence[nn.Module] | None = None  # these modules' saved activations
     # wait in pinned host memory between forward and backward (graphed or eager; CUDA only)
     offload_min_bytes: int = 1 << 20  # smaller saved tensors stay on the device
+    chain_static_buffers: bool = True  # "layer": a block reads its input where the previous block wrote it,
+    # and its output gradient where the next block's backward wrote it (chained_buffers.py); False for a model
+    # whose code between the graphed blocks changes from call to call
 
 
 def _choice(value, choices: tuple, field: str) -> str:
@@ -105,6 +113,8 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
             "inside its training graphs, so they cannot also get forward-only graphs of their own. Use "
             "forward_only='model' (the whole forward as one graph) or 'none' (the blocks evaluate eagerly)."
         )
+    if not isinstance(config.chain_static_buffers, bool):
+        raise TypeError(f"GraphConfig.chain_static_buffers must be True or False, got {config.chain_static_buffers!r}")
     if not isinstance(config.optimizer_graph, bool):
         raise TypeError(f"GraphConfig.optimizer_graph must be True or False, got {config.optimizer_graph!r}")
     if config.optimizer_graph and strategy != "layer":

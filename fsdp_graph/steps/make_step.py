@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..fsdp.capture_interface import root_contexts
 from ..graphs.activation_offload import offload_activations
+from ..graphs.chained_buffers import SampleCalls
 from ..graphs.module_graphs import eval_mode, graph_modules, record_sample_args
 from ..graphs.segment_graphs import graph_segments
 from .eval_step import EvalStep, GraphedForward
@@ -107,7 +108,8 @@ def _graph_layers(config: GraphConfig, modules: list, samples: list) -> None:
     else:
         graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
                       num_warmup_iters=config.num_warmup_iters, collective_graphs=config.collective_graphs,
-                      replay_stream=config.replay_stream)
+                      replay_stream=config.replay_stream,
+                      chained_inputs=samples.links if config.chain_static_buffers else None)
 
 
 def make_eval_step(model: nn.Module, *, config: GraphConfig | None = None, example_args: tuple | None = None):
@@ -129,7 +131,7 @@ def make_eval_step(model: nn.Module, *, config: GraphConfig | None = None, examp
     return EvalStep(model)
 
 
-def _samples(model: nn.Module, modules: list[nn.Module], run: Callable[[], object]) -> list[tuple[tuple, dict]]:
+def _samples(model: nn.Module, modules: list[nn.Module], run: Callable[[], object]) -> SampleCalls:
     """Each module's arguments in the example forwards, which are no training step and leave the
     random number generators as they found them (the warm-ups and the capture that follow do
     draw from them, as before)."""
