@@ -75,7 +75,8 @@ def test_chained_graphs_share_their_buffers_and_train_bitwise_as_eager():
     for before, after in zip(graphed, graphed[1:]):
         assert after.static_inputs[0].data_ptr() == before.static_outputs[0].data_ptr()
         assert before.captured.static_grad_outputs[0].data_ptr() == after.captured.static_grad_inputs[0].data_ptr()
-    assert graphed[0].chain_source is None and graphed[1].chain_source is graphed[0] and graphed[0].feeds_chain
+    assert graphed[0].chain_source is None and graphed[1].chain_source is graphed[0]
+    assert graphed[0].chained_reader is graphed[1] and graphed[2].chained_reader is None
     for step in range(3):
         x = torch.randn(2, 3, requires_grad=True)
         h = x
@@ -89,16 +90,52 @@ def test_chained_graphs_share_their_buffers_and_train_bitwise_as_eager():
             assert torch.equal(p.grad, q.grad), step
 
 
-def test_a_call_that_would_overwrite_a_readable_chained_output_is_refused_and_one_that_would_not_is_copied():
-    model, reference = _pair(1)
-    graphed = chained_emulated(list(model.blocks), torch.randn(2, 3, requires_grad=True), [[], [(0, 0)], [(0, 0)]])
-    x = torch.randn(2, 3, requires_grad=True)
+def test_a_chained_input_that_is_not_the_previous_output_in_place_is_refused_never_copied_over_it():
+    model, _ = _pair(1)
+    graphed = chained_emulated(list(model.blocks), torch.randn(3, 3, requires_grad=True), [[], [(0, 0)], [(0, 0)]])
+    x = torch.randn(3, 3, requires_grad=True)
+    fix = r"chain_static_buffers=False"
     h0 = graphed[0](x)
     with pytest.raises(RuntimeError, match=r"block 1: its input args\[0\] is read where graphed block 0 writes its "
-                                           r"output.*chain_static_buffers=False"):
-        graphed[1](h0 * 2)  # h0 is alive (and block 0's backward pending): it would be overwritten
+                                           r"output.*" + fix):
+        graphed[1](h0 * 2)  # a copy would overwrite h0, which this code still holds
+    with pytest.raises(RuntimeError, match=fix):
+        graphed[1](h0.t())  # the output itself, read with other strides: no copy either
     del h0
-    with torch.no_grad():  # nothing pending, nothing handed out alive: the copy is safe
-        graphed[0](x)
-        out = graphed[2](graphed[1](torch.full((2, 3), 0.5)))
-        assert torch.equal(out, reference.blocks[2](reference.blocks[1](torch.full((2, 3), 0.5))))
+    with torch.no_grad():
+        kept = graphed[0](x).detach()  # an alias that leaves no trace on the graph's output
+        before = kept.clone()
+        with pytest.raises(RuntimeError, match=fix):
+            graphed[1](torch.full((3, 3), 0.5))
+        assert torch.equal(kept, before), "the refused call must not have written anything"
+
+
+def test_the_previous_forward_is_refused_while_the_chained_block_s_backward_reads_its_output():
+    model, _ = _pair(2)
+    graphed = chained_emulated(list(model.blocks), torch.randn(2, 3, requires_grad=True), [[], [(0, 0)], [(0, 0)]])
+    h = graphed[0](torch.randn(2, 3, requires_grad=True)).detach().requires_grad_()  # block 0's own graph let go
+    out = graphed[1](h)  # block 1's backward reads block 0's output memory
+    with pytest.raises(RuntimeError, match=r"block 0: its forward would overwrite its output, which graphed block 1 "
+                                           r"reads in place.*Run block 1's backward first.*chain_static_buffers=False"):
+        graphed[0](torch.randn(2, 3, requires_grad=True))
+    out.sum().backward()
+    graphed[0](torch.randn(2, 3, requires_grad=True))  # nothing pending reads it now
+
+
+def test_an_input_a_pre_forward_hook_replaced_at_capture_gets_a_copy_of_its_own():
+    model, _ = _pair(3)
+    calls = [CaptureTarget(m, f"block {i}", (torch.randn(2, 3, requires_grad=True),), {}, {k: {} for k in HOOKS})
+             for i, m in enumerate(model.blocks)]
+    calls[1].hooks["pre_forward"]["scale"] = lambda module, args, kwargs: ((args[0] * 2,), kwargs)
+    passes, _ = capture_pass(calls, [[], [(0, 0)], [(0, 0)]], forward_only=False, capturing=False)
+    assert [fwd.chained for fwd in passes] == [[], [], [0]]
+
+
+def test_graph_modules_refuses_chained_inputs_it_cannot_use():
+    from fsdp_graph import graph_modules
+
+    blocks, sample = [Scaled(), Scaled()], (torch.randn(2, 3, requires_grad=True),)
+    with pytest.raises(ValueError, match="one list of pairs per module.*got 1 for 2 modules"):
+        graph_modules(blocks, [sample] * 2, chained_inputs=[[]])
+    with pytest.raises(ValueError, match="training graphs.*forward_only=True. Drop chained_inputs"):
+        graph_modules(blocks, [sample] * 2, forward_only=True, chained_inputs=[[], [(0, 0)]])

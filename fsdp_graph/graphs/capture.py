@@ -200,13 +200,16 @@ def forward_pass(call: CaptureTarget, graph=None, pool=None, stream=None,
     """``chained``: input tensor index -> the previous module's captured output to read it from
     (``chained_buffers.py``), where the capture sees the same structure, shape and dtype."""
     args, kwargs = tree_map(static_copy, call.sample)
+    before_hooks = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
     args, kwargs = call.run_pre_forward(args, kwargs)
     flat, spec = tree_flatten((args, kwargs))
-    if chained and spec != tree_flatten(call.sample)[1]:
+    if chained and (spec != tree_flatten(call.sample)[1]
+                    or sum(isinstance(x, torch.Tensor) for x in flat) != len(before_hooks)):
         chained = None  # (a hook changed the call's structure: the recorded positions do not apply)
     leaves, aliased, position = [], [], 0
     for x in flat:
-        alias = alias_if_fits(x, chained.get(position)) if chained and isinstance(x, torch.Tensor) else None
+        alias = alias_if_fits(x, before_hooks[position], chained.get(position)) \
+            if chained and isinstance(x, torch.Tensor) else None
         if alias is not None:
             aliased.append(position)
         leaves.append(static_copy(x) if alias is None else alias)

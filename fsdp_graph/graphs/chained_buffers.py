@@ -11,11 +11,13 @@ gradient output an alias of block i's static input gradient. A replay then finds
 already in place (no copy), and the two activation-sized buffers per block are gone (medium GPT:
 2 × 24 × 8 MiB).
 
-The one thing a chain cannot do silently: a call that passes block i another tensor would copy it
-over block i-1's output. That is refused while that output can still be read (a tensor block i-1's
-last replay returned is alive, or its backward is pending); otherwise it is copied, as before. A
-model whose code between the blocks changes from call to call captures with
-``GraphConfig(chain_static_buffers=False)`` (``graph_modules(chained_inputs=None)``).
+What a chain must not do silently: overwrite an output someone still reads. So a chained input
+must be the previous graph's output in place (same address and strides): a call that passes
+another tensor is refused rather than copied over that output (an alias made with ``.detach()``
+would leave no trace to check), and so is a forward replay of the previous graph while the chained
+graph's backward, which reads that output, is pending. A model whose code between the blocks
+changes from call to call captures with ``GraphConfig(chain_static_buffers=False)``
+(``graph_modules(chained_inputs=None)``).
 """
 
 from __future__ import annotations
@@ -71,21 +73,38 @@ def chained_sources(links: list[tuple[int, int]], previous_outputs: list[torch.T
     return {j: previous_outputs[k] for j, k in links}
 
 
-def alias_if_fits(sample: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor | None:
-    """A static input sharing ``source``'s memory (a leaf of its own), or None where the tensors the
-    capture sees differ (a pre-forward hook cast it, say): that input then gets a copy of its own."""
-    if source is None or (sample.shape, sample.dtype, sample.device, sample.stride()) != (
+def alias_if_fits(sample: torch.Tensor, before_hooks: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor | None:
+    """A static input sharing ``source``'s memory (a leaf of its own), or None where a pre-forward
+    hook replaced the recorded input (``sample`` is not ``before_hooks`` in place: a cast, say) or
+    the capture sees another layout: that input then gets a copy of its own."""
+    if source is None or not _in_place(sample, before_hooks) or (
+            sample.shape, sample.dtype, sample.device, sample.stride()) != (
             source.shape, source.dtype, source.device, source.stride()):
         return None
     return source.detach().requires_grad_(sample.requires_grad)
+
+
+def _in_place(after: torch.Tensor, before: torch.Tensor) -> bool:
+    return after is before or (after.data_ptr() == before.data_ptr() and after.shape == before.shape
+                               and after.stride() == before.stride() and after.dtype == before.dtype)
+
+
+CHAIN_FIX = "GraphConfig(chain_static_buffers=False), or graph_modules(..., chained_inputs=None)"
 
 
 def overwrite_refused(consumer: str, input_name: str, producer: str) -> str:
     return (
         f"graphed {consumer}: its input {input_name} is read where graphed {producer} writes its output (chained "
         f"at capture: in the example forward {consumer} received that output itself, so no copy of it is kept). "
-        f"This call passes another tensor while {producer}'s output from its last replay can still be read (a "
-        "tensor it returned is alive, or its backward is pending), and copying it in would overwrite that output. "
-        f"Pass {producer}'s output to {consumer} unchanged, or capture without chaining: "
-        "GraphConfig(chain_static_buffers=False), or graph_modules(..., chained_inputs=None)."
+        f"This call passes another tensor (or that output with other strides), which would have to be copied over "
+        f"{producer}'s output while something may still read it. Pass {producer}'s output to {consumer} unchanged, "
+        f"or capture without chaining: {CHAIN_FIX}."
+    )
+
+
+def forward_refused(producer: str, consumer: str) -> str:
+    return (
+        f"graphed {producer}: its forward would overwrite its output, which graphed {consumer} reads in place "
+        f"(chained at capture) and whose backward, still pending, reads again. Run {consumer}'s backward first, "
+        f"or capture without chaining: {CHAIN_FIX}."
     )

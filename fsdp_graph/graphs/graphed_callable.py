@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from .chained_buffers import overwrite_refused
+from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
 from .replay_stream import ReplayTarget, begin_call, check_target, chosen_target, launch
 
@@ -128,22 +128,26 @@ class GraphedCallable:
         # in its capture), and the one whose tensors this one's backward brings back.
         self.prefetched_by: GraphedCallable | None = None
         self.prefetches: GraphedCallable | None = None
-        # Chained static buffers (chained_buffers.py): the inputs read where chain_source writes its outputs.
+        # Chained static buffers (chained_buffers.py): the inputs read where chain_source writes its outputs,
+        # and the graph that reads this one's outputs in place.
         self.chain_source: GraphedCallable | None = None
         self.chained_inputs: frozenset[int] = frozenset()
-        self.feeds_chain = False  # a later graph reads its outputs in place: keep track of those handed out
-        self._handed_out: list[weakref.ref] = []
+        self.chained_reader: GraphedCallable | None = None
 
     def chain_to(self, source: GraphedCallable, positions: list[int]) -> None:
         self.chain_source, self.chained_inputs = source, frozenset(positions)
-        source.feeds_chain = True
+        source.chained_reader = self
 
-    def before_overwriting_chained(self, position: int) -> None:
-        """A live input other than ``chain_source``'s output is about to be copied over that output."""
-        source = self.chain_source
-        if source.backward_pending() or any(ref() is not None for ref in source._handed_out):
-            name = self.captured.input_names[self._tensor_positions[position]]
-            raise RuntimeError(overwrite_refused(self.name, name, source.name))
+    def refuse_chained_input(self, position: int) -> None:
+        """A live chained input that is not ``chain_source``'s output in place: a copy would overwrite
+        that output, which anyone may still read (a detached alias leaves no trace), so none is made."""
+        name = self.captured.input_names[self._tensor_positions[position]]
+        raise RuntimeError(overwrite_refused(self.name, name, self.chain_source.name))
+
+    def refuse_overwriting_a_pending_read(self) -> None:
+        reader = self.chained_reader
+        if reader.backward_pending():
+            raise RuntimeError(forward_refused(self.name, reader.name))
 
     # -- the call ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -282,10 +286,13 @@ class _Replay(torch.autograd.Function):
         ctx.runner, ctx.target = runner, target
         ctx.set_materialize_grads(False)
         begin_call()
+        if runner.chained_reader is not None:
+            runner.refuse_overwriting_a_pending_read()
         for i, (live, static) in enumerate(zip(inputs, runner.static_inputs)):  # (on the caller's stream)
-            if live.data_ptr() != static.data_ptr():
-                if i in runner.chained_inputs:
-                    runner.before_overwriting_chained(i)
+            if i in runner.chained_inputs:
+                if live.data_ptr() != static.data_ptr() or live.stride() != static.stride():
+                    runner.refuse_chained_input(i)
+            elif live.data_ptr() != static.data_ptr():
                 static.copy_(live)
         launch(runner.captured.fwd_graph, target, runner.captured.join_events)
         runner.replays += 1
@@ -294,8 +301,6 @@ class _Replay(torch.autograd.Function):
             runner._pending = weakref.ref(ctx)
             runner._output_versions = [o._version for o in runner.static_outputs]
         outputs = tuple(o.detach() for o in runner.static_outputs)
-        if runner.feeds_chain:
-            runner._handed_out = [weakref.ref(o) for o in outputs]
         if runner._non_differentiable:
             ctx.mark_non_differentiable(*(outputs[i] for i in runner._non_differentiable))
         return outputs

@@ -16,7 +16,7 @@ Independent settings (after Megatron's split):
 * ``chain_static_buffers``, for ``"layer"`` with one module per graph: where the example forward
   passes a graphed block's output straight to the next one, the two share one static buffer, and
   so do their gradients (``chained_buffers.py``); a call that passes the next block another tensor
-  while the previous output is still readable is refused. True by default; False for a model whose
+  is refused (a copy would overwrite the previous output). True by default; False for a model whose
   code between the blocks changes from call to call;
 * ``optimizer_graph``, for ``"layer"``: the clipping and the optimizer step replayed as CUDA graphs
   of their own (``graph_optimizer_step``); ``"full_iteration"`` has them inside its graph already;
