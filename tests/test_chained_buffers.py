@@ -139,3 +139,11 @@ def test_graph_modules_refuses_chained_inputs_it_cannot_use():
         graph_modules(blocks, [sample] * 2, chained_inputs=[[]])
     with pytest.raises(ValueError, match="training graphs.*forward_only=True. Drop chained_inputs"):
         graph_modules(blocks, [sample] * 2, forward_only=True, chained_inputs=[[], [(0, 0)]])
+
+
+def test_chain_static_buffers_is_a_bool():
+    from fsdp_graph import GraphConfig
+    from fsdp_graph.steps.graph_config import validate_graph_config
+
+    with pytest.raises(TypeError, match="chain_static_buffers must be True or False"):
+        validate_graph_config(GraphConfig(strategy="layer", chain_static_buffers="no"), Chain())

@@ -138,16 +138,19 @@ class GraphedCallable:
         self.chain_source, self.chained_inputs = source, frozenset(positions)
         source.chained_reader = self
 
-    def refuse_chained_input(self, position: int) -> None:
-        """A live chained input that is not ``chain_source``'s output in place: a copy would overwrite
-        that output, which anyone may still read (a detached alias leaves no trace), so none is made."""
-        name = self.captured.input_names[self._tensor_positions[position]]
-        raise RuntimeError(overwrite_refused(self.name, name, self.chain_source.name))
-
-    def refuse_overwriting_a_pending_read(self) -> None:
+    def _check_chain(self, inputs) -> None:
+        """A chained input must be ``chain_source``'s output in place (then the replay copies nothing):
+        a copy would overwrite that output, which anyone may still read (a detached alias leaves no
+        trace). And this forward must not overwrite its output while the graph reading it in place
+        still awaits its backward."""
         reader = self.chained_reader
-        if reader.backward_pending():
+        if reader is not None and reader.backward_pending():
             raise RuntimeError(forward_refused(self.name, reader.name))
+        for i in self.chained_inputs:
+            live, static = inputs[i], self.static_inputs[i]
+            if live.data_ptr() != static.data_ptr() or live.stride() != static.stride():
+                name = self.captured.input_names[self._tensor_positions[i]]
+                raise RuntimeError(overwrite_refused(self.name, name, self.chain_source.name))
 
     # -- the call ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -165,6 +168,8 @@ class GraphedCallable:
         inputs = self._live_inputs(args, kwargs)
         self._check_params()
         self._check_no_pending_backward()
+        if self.chain_source is not None or self.chained_reader is not None:
+            self._check_chain(inputs)
         target = chosen_target(self.replay_default)
         check_target(target, self.captured.join_events, f"graphed {self.name}", self.device)
         track = self._has_backward and torch.is_grad_enabled()
@@ -286,13 +291,8 @@ class _Replay(torch.autograd.Function):
         ctx.runner, ctx.target = runner, target
         ctx.set_materialize_grads(False)
         begin_call()
-        if runner.chained_reader is not None:
-            runner.refuse_overwriting_a_pending_read()
-        for i, (live, static) in enumerate(zip(inputs, runner.static_inputs)):  # (on the caller's stream)
-            if i in runner.chained_inputs:
-                if live.data_ptr() != static.data_ptr() or live.stride() != static.stride():
-                    runner.refuse_chained_input(i)
-            elif live.data_ptr() != static.data_ptr():
+        for live, static in zip(inputs, runner.static_inputs):  # (on the caller's stream, which owns them)
+            if live.data_ptr() != static.data_ptr():  # (a chained input never: _check_chain)
                 static.copy_(live)
         launch(runner.captured.fwd_graph, target, runner.captured.join_events)
         runner.replays += 1
