@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 _PACKAGE_SITES = {  # module -> names it imported from fsdp_graph.fsdp.collectives
     "fsdp_graph.fsdp.param_group": ("all_gather_inplace",),
-    "fsdp_graph.fsdp.gradients": ("reduce_scatter_sum", "all_reduce"),
+    "fsdp_graph.fsdp.unit_reduce": ("reduce_scatter_sum", "all_reduce"),
     "fsdp_graph.fsdp.clip_grad": ("all_reduce",),
 }
 _TORCH = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "broadcast", "barrier",

@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from fsdp_graph.fsdp import collectives, gradients, param_group
+from fsdp_graph.fsdp import collectives, param_group, unit_reduce
 from fsdp_graph.fsdp.flat_layout import FlatLayout
 from fsdp_graph.fsdp.gradients import UnitGradients
 from fsdp_graph.fsdp.root import RootContext
@@ -43,8 +43,8 @@ SITES = {
     "compute": [(FSDPUnit, "pre_forward"), (FSDPUnit, "post_forward"), (FSDPUnit, "pre_backward"),
                 (FSDPUnit, "post_backward"), (UnitGradients, "prepare"), (RootContext, "end_backward")],
     "all_gather": [(param_group, "all_gather_inplace"), (FlatLayout, "copy_out")],
-    "reduce": [(FlatLayout, "copy_in"), (gradients, "reduce_scatter_sum"), (gradients, "all_reduce"),
-               (ShardedGrads, "accumulate")],
+    "reduce": [(FlatLayout, "copy_in"), (unit_reduce, "copy_piece_in"), (unit_reduce, "reduce_scatter_sum"),
+               (unit_reduce, "all_reduce"), (ShardedGrads, "accumulate")],
 }
 
 

@@ -271,33 +271,39 @@ def test_a_slot_held_by_unshard_names_reshard_as_the_fix():
 
 
 def _reduce_scatter_in_place(info, big_block) -> None:
-    from fsdp_graph.fsdp import gradients
+    from fsdp_graph.fsdp import unit_reduce
 
     calls = []
-    original = gradients.reduce_scatter_sum
+    original = unit_reduce.reduce_scatter_sum
 
     def recording(output, input, group):
         calls.append((output.data_ptr(), input.data_ptr(), output.numel(), output.element_size()))
         return original(output, input, group)
 
-    gradients.reduce_scatter_sum = recording
+    unit_reduce.reduce_scatter_sum = recording
     try:
         model, _ = build(info.device, big_block=big_block)
         shard(model)
         local_loss(model, 0, info).backward()
     finally:
-        gradients.reduce_scatter_sum = original
+        unit_reduce.reduce_scatter_sum = original
     if info.world_size == 1:  # no process group: nothing to reduce, so no reduce-scatter runs at all
         assert calls == [], calls
         return
-    assert len(calls) == len(units_in(model)), calls
-    own = [unit_buffers(u).own_staging_bytes > 0 for u in units_in(model)]
-    assert any(own) == (big_block is not None), own  # the case covers a unit with staging of its own
+    units = units_in(model)
+    groups = [u.param_group for u in units]
+    wide = [g for g in groups if not g.scratch.fits(g.layout.gathered_numel)]
+    assert len(wide) == (big_block is not None), wide  # the case covers a unit wider than the shared staging
+    # Every reduce-scatter, a wide unit's pieces included (reduce_pieces.py), reads the shared staging,
+    # and each unit's together cover its shard.
+    assert {input for _, input, _, _ in calls} == {groups[0].scratch.reduce_in.data_ptr()}, calls
+    assert sum(numel for _, _, numel, _ in calls) == sum(g.layout.shard_numel for g in groups), calls
+    assert len(calls) > len(units) if wide else len(calls) == len(units), calls
     for output, input, numel, itemsize in calls:  # NCCL's in-place form: output = input + rank * shard
         assert output == input + info.rank * numel * itemsize, (output, input, numel, info.rank)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("big_block", [None, 1], ids=["shared_staging", "a_wide_unit_stages_on_its_own"])
+@pytest.mark.parametrize("big_block", [None, 1], ids=["shared_staging", "a_wide_unit_reduces_in_pieces"])
 def test_the_reduce_scatter_writes_into_this_ranks_row_of_its_input(world_size, big_block):
     run_ranks(_reduce_scatter_in_place, world_size, big_block)

@@ -58,8 +58,9 @@ def _steady_state_allocations(info, mp_policy, set_to_none) -> None:
             torch.cuda.reset_peak_memory_stats()
 
     def collective(what, part):
-        """A unit larger than the shared staging (the wide block, the root) stages on its own, taking
-        and giving back memory within the collective, which may run in a neighbour's hook (a prefetch)."""
+        """A unit larger than the shared staging (the wide block, the root) stages its all-gather on
+        its own (its reduce goes through the shared staging in pieces), taking and giving back
+        memory within the collective, which may run in a neighbour's hook (a prefetch)."""
         own = _rounded(unit_buffers(unit_of_part[id(part)]).own_staging_bytes)
         for frame in started:
             frame[1] = max(frame[1], own)

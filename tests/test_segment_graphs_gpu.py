@@ -70,7 +70,8 @@ def _segments_match_eager(info) -> None:
     eager = _train_step(info, None)
     for k in (2, 3):
         _compare(f"segment_size={k}", _train_step(info, k), eager)
-    # Block 1 is twice as wide: no slot, a buffer of its own, staging of its own inside the graph.
+    # Block 1 is twice as wide: no slot, a buffer of its own, gather staging of its own inside the graph,
+    # its reduce in pieces through the shared staging.
     _compare("segment_size=2, an oversized block", _train_step(info, 2, True), _train_step(info, None, True))
 
 

@@ -122,11 +122,11 @@ class CommScratch:
     row of its input (NCCL's in-place form), so no output buffer is kept. All-gathers run one
     after another on one stream, and so do reduce-scatters, so one set serves every unit that
     fits; it is sized for the largest slot unit (the repeated layer). A larger unit (the root
-    with the embeddings, say) takes staging of its own from the caching allocator for each
-    collective, on the collective's stream, and gives it back right after, as FSDP2 does: kept
-    persistent, it would sit in memory at the activation peak for collectives that run when
-    activations are few (the root's gather at the start of the forward, its reduce at the end of
-    the backward). Inside a whole-step capture that staging comes from the graph's pool."""
+    with the embeddings, say) reduces through it in pieces (``reduce_pieces.py``), and takes
+    all-gather staging of its own from the caching allocator, on the all-gather stream, giving it
+    back right after, as FSDP2 does: kept persistent, it would sit in memory at the activation
+    peak for a gather that runs when activations are few (the root's, at the start of the
+    forward). Inside a whole-step capture that staging comes from the graph's pool."""
 
     gathered_numel: int
     dtypes: BufferDtypes

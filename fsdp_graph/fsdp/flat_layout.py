@@ -83,9 +83,9 @@ class FlatLayout:
         self.shard_numel = shard_cursor
         self.gathered_numel = world_size * shard_cursor
         self.unsharded_numel = _round_up(cursor, ALIGN_NUMEL)
-        self._moved = [s for s in self.spans if s.chunk_numel]  # what copy_in / copy_out move (no empties)
+        self.moved_spans = [s for s in self.spans if s.chunk_numel]  # what copy_in / copy_out move (no empties)
         self.moved_indices = [i for i, s in enumerate(self.spans) if s.chunk_numel]
-        self._chunk_sizes = [s.chunk_numel for s in self._moved]
+        self._chunk_sizes = [s.chunk_numel for s in self.moved_spans]
 
     # -- views of a shard-sized buffer (masters, sharded gradients) ---------------------
     def local_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
@@ -102,12 +102,12 @@ class FlatLayout:
         splits into per-rank chunks."""
         return [flat.narrow(0, s.offset, self.world_size * s.chunk_numel).view(self.world_size * s.chunk_rows,
                                                                                *s.shape[1:])
-                for s in self._moved]
+                for s in self.moved_spans]
 
     def rank_major_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Every non-empty parameter with its padding as ``[world, c · row_numel]``: the copy-out targets."""
         return [flat.narrow(0, s.offset, self.world_size * s.chunk_numel).view(self.world_size, s.chunk_numel)
-                for s in self._moved]
+                for s in self.moved_spans]
 
     # -- between the gathered and the unsharded layouts ------------------------------------
     def by_rank(self, gathered: torch.Tensor) -> torch.Tensor:

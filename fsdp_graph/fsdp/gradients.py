@@ -16,7 +16,8 @@ Before the unit's backward, ``prepare`` chooses where its gradients go:
 After the backward, ``reduce`` copies the gradients into the shared reduce staging in rank order,
 casting to ``reduce_dtype`` (one ``_chunk_cat`` kernel), reduce-scatters it, all-reduces across
 HSDP replicas, and averages the result into the masters' ``.grad`` (accumulated if already set,
-as autograd does). Those live in ``sharded_grads.py``: views of one buffer per unit that follows
+as autograd does). A unit larger than the staging does so piece by piece (``reduce_pieces.py``).
+The masters' ``.grad`` live in ``sharded_grads.py``: views of one buffer per unit that follows
 ``zero_grad(set_to_none=...)`` as FSDP2's do (given back when every ``.grad`` was set to None, made
 again by the next reduce), or stays for good once pinned by a whole-step graph.
 """
@@ -27,16 +28,16 @@ import operator
 from itertools import repeat
 
 import torch
-import torch.distributed as dist
 
 from .buffers import CommScratch, FlatBuffers, GradBuffer
 from .collective_graphs import CollectiveGraphs, can_replay
-from .collectives import CommStreams, all_reduce, collective_failed, reduce_scatter_sum
+from .collectives import CommStreams
 from .flat_layout import FlatLayout
 from .mesh import ShardMesh
 from .sharded_grads import ShardedGrads
 from .sharded_param import ShardedParam
 from .stray_gradients import drop_unsharded_grads, refuse_stray_gradients
+from .unit_reduce import UnitReduce
 from .unused_params import GradientUse
 
 
@@ -47,8 +48,7 @@ class UnitGradients:
         self.layout = layout
         self.compute_dtype = compute_dtype
         self.name = "?"  # the unit's name, set by FSDPUnit.rename (for error messages)
-        self.group: dist.ProcessGroup | None = mesh.shard_group
-        self.replicate_group: dist.ProcessGroup | None = mesh.replicate_group
+        self.group, self.replicate_group = mesh.shard_group, mesh.replicate_group  # (unused_params.py)
         self.world_size = layout.world_size * mesh.replicate_size  # the data-parallel ranks averaged over
         self.device = master_flat.device
         self.sharded = ShardedGrads(params, layout, master_flat)  # the masters' .grad
@@ -65,7 +65,7 @@ class UnitGradients:
         self._target: GradBuffer | None = None
         self._written = False  # this backward's gradients are autograd's own tensors (see the module docstring)
         self._copy_in_sources: dict[int, tuple] = {}  # id(target) -> (target, its padded views)
-        self._staging: tuple | None = None  # (scratch, reduce_in by rank, reduce_in, this rank's row) of this unit
+        self.reduce = UnitReduce(layout, mesh, self.device)  # staging, copy-in, reduce-scatter
         self.collective_graphs: CollectiveGraphs | None = None  # the reduce replayed as graphs (graph strategies)
         self._zeros = _Zeros(layout, compute_dtype, self.device)  # for a frozen parameter, or one that got none
         self.use = GradientUse()  # which parameters got a gradient (``unused_params.py``)
@@ -162,10 +162,6 @@ class UnitGradients:
         return entry[1]
 
     def _reduce(self, target: GradBuffer, scratch: CommScratch, streams: CommStreams) -> None:
-        layout = self.layout
-        shared = scratch.fits(layout.gathered_numel)
-        if shared and (self._staging is None or self._staging[0] is not scratch):
-            self._staging = (scratch, *self._staging_views(scratch.reduce_in))
         current = [m.grad for m in self._masters]  # read before the reduce changes them (post-accumulate hooks)
         # Memory taken now is taken on the compute stream, where its readers (optimizer, clipping) run.
         self.sharded.take(zeros=not all(map(operator.is_, current, repeat(None))), writer_stream=streams.reduce)
@@ -173,60 +169,28 @@ class UnitGradients:
         if written is None and not target.side_streams_noted:
             streams.shared_with_side_streams(target.tensor)
             target.side_streams_noted = True
+        pieces = self.reduce.pieces(scratch)
         with streams.enter(streams.reduce):
-            # (A unit with collective graphs has fixed addresses: graph_modules requires them.)
-            graphs = self.collective_graphs if shared and can_replay(self.collective_graphs) else None
             if written is not None:
-                graphs = None  # (a unit whose reduce replays keeps its gradients in the fixed buffer)
-            # Staging of its own (see ``buffers.CommScratch``) is allocated on this stream and freed
-            # when this function returns: the allocator hands the block only to later work of this
-            # stream, which is queued after these kernels.
-            by_rank, grads, reduced = self._staging[1:] if shared else self._staging_views(
-                torch.empty(layout.gathered_numel, dtype=scratch.dtypes.reduce, device=self.device))
-            if written is not None:
-                self.layout.copy_in(written, by_rank)
-                target.held = written  # until the compute stream has waited for this reduce
+                sources = target.held = written  # until the compute stream has waited for this reduce
             else:
                 sources = self._sources(target)
-                if graphs is None:
-                    self._copy_in(sources, by_rank, target)
-                else:
-                    key = (target.tensor.data_ptr(), grads.data_ptr(), reduced.data_ptr())
-                    graphs.run("copy_in", key, lambda: self._copy_in(sources, by_rank, target))
-                target.zeroed = True
-            target.reduce_done = streams.record(streams.reduce)  # the target is free again
-            if self.group is None and self.replicate_group is None:
-                pass  # one process: the staging holds the sum, and the output is its only row
-            elif graphs is None:
-                self._reduce_scatter(grads, reduced)
+            if pieces is None:
+                # (A unit with collective graphs has fixed addresses: graph_modules requires them.)
+                graphs = self.collective_graphs if can_replay(self.collective_graphs) else None
+                reduced = self.reduce.whole(sources, target, written is None, scratch, streams, graphs)
             else:
-                graphs.run("reduce_scatter", key, lambda: self._reduce_scatter(grads, reduced))
+                reduced = self.reduce.in_pieces(pieces, sources, scratch.reduce_in)
             self.sharded.accumulate(reduced, current, self.trainable, 1.0 / (self.divide_factor or self.world_size))
+            if pieces is not None:  # (every piece read: the target is free again)
+                if written is None:
+                    target.tensor[: self.layout.unsharded_numel].zero_()  # for the next backward, off its path
+                target.reduce_done = streams.record(streams.reduce)
+            if written is None:
+                target.zeroed = True
             later = self.use.take_candidates(self.trainable, current)  # settled at the end of the backward
             self.sharded.run_post_accumulate_hooks(
                 [m for i, m in zip(self.trainable, self._masters) if i not in later] if later else self._masters)
-
-    def _copy_in(self, sources: list[torch.Tensor], by_rank: list[torch.Tensor], target: GradBuffer) -> None:
-        """The gradients into the staging in rank order (reduce dtype); the target zeroed for the
-        next backward, off its path."""
-        self.layout.copy_in(sources, by_rank)
-        target.tensor[: self.layout.unsharded_numel].zero_()
-
-    def _reduce_scatter(self, grads: torch.Tensor, reduced: torch.Tensor) -> None:
-        try:
-            reduce_scatter_sum(reduced, grads, self.group)
-            all_reduce(reduced, self.replicate_group)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as err:  # gloo: a peer that never joined (timeout) or died
-            raise collective_failed("gradient reduce-scatter", self.name, err) from err
-
-    def _staging_views(self, reduce_in: torch.Tensor) -> tuple:
-        """The copy-in's rows by rank, the reduce-scatter's input, and its output: this rank's row of
-        the input (the in-place form, which saves a shard-sized buffer)."""
-        layout = self.layout
-        by_rank = layout.by_rank(reduce_in)
-        return by_rank, reduce_in[: layout.gathered_numel], by_rank[layout.rank]
 
     # -- between steps ----------------------------------------------------------------------
     def clear(self) -> None:

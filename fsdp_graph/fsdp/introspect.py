@@ -38,7 +38,9 @@ def unit_buffers(unit: FSDPUnit) -> UnitBuffers:
     if group.scratch is not None and layout.shard_numel and not group.scratch.fits(layout.gathered_numel):
         dtypes = group.scratch.dtypes
         gather = layout.gathered_numel * dtypes.compute.itemsize
-        reduce = layout.gathered_numel * dtypes.reduce.itemsize  # the reduce-scatter writes in place
+        # (the reduce-scatter writes in place; a unit that reduces in pieces stages in the shared staging)
+        in_pieces = unit.grads.reduce.pieces(group.scratch) is not None
+        reduce = 0 if in_pieces else layout.gathered_numel * dtypes.reduce.itemsize
         own = max(gather, reduce)
     if buffers is None:  # a slot unit before its first unshard
         return UnitBuffers(unit.placement, (0, 0), (0, 0), 0, own)

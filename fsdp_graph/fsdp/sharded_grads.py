@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import operator
 import sys
+from collections.abc import Iterable
 from itertools import repeat
 
 import torch
@@ -94,29 +95,47 @@ class ShardedGrads:
         holders = self._holders()
         return holders is not None and holders == self._own_holders
 
-    def accumulate(self, reduced: torch.Tensor, current: list, trainable: list[int], scale: float) -> None:
-        """master.grad (+)= reduced · scale, as autograd would accumulate into ``.grad``. ``current``:
-        the trainable masters' ``.grad`` before the reduce (``reduced`` is this rank's shard)."""
+    def accumulate(self, reduced: Iterable[tuple[int, torch.Tensor]], current: list, trainable: list[int],
+                   scale: float) -> None:
+        """master.grad (+)= reduced · scale, as autograd would accumulate into ``.grad``. ``reduced``:
+        this rank's shard as (start, values) pieces in shard order, whole rows each (one piece, or a
+        wide unit's ``reduce_pieces``, each made as it is read); ``current``: the trainable masters'
+        ``.grad`` before the reduce."""
         masters = [self.params[i].master for i in trainable]
         views = [self.views[i] for i in trainable]
-        if all(map(operator.is_, current, repeat(None))):
-            if reduced.dtype == self.flat.dtype:
-                torch.mul(reduced, scale, out=self.flat)  # one pass instead of zero_ + add_
-            else:  # add_ scales in the master dtype (a mul would scale in the reduce dtype)
-                self.flat.zero_()
-                self.flat.add_(reduced, alpha=scale)
-            for master, view in zip(masters, views):
-                master.grad = view
-        elif all(map(operator.is_, current, views)):
-            self.flat.add_(reduced, alpha=scale)
-        else:
+        fresh = all(map(operator.is_, current, repeat(None)))
+        ours = not fresh and all(map(operator.is_, current, views))
+        targets = []  # (some .grad set elsewhere) each parameter's own, None ones started from zeros
+        if not (fresh or ours):
             for master, grad, view, i in zip(masters, current, views, trainable):
-                span = self.layout.spans[i]
-                piece = reduced.narrow(0, span.shard_offset, span.local_rows * span.row_numel).view(span.local_shape)
                 if grad is None:
                     self.local_views[i].zero_()
                     master.grad = grad = view
-                local_tensor(grad).add_(piece, alpha=scale)
+                targets.append((local_tensor(grad), i))
+        for start, values in reduced:
+            flat = self.flat.narrow(0, start, values.numel())
+            if fresh and values.dtype == flat.dtype:
+                torch.mul(values, scale, out=flat)  # one pass instead of zero_ + add_
+            elif fresh or ours:
+                if fresh:  # add_ scales in the master dtype (a mul would scale in the reduce dtype)
+                    flat.zero_()
+                flat.add_(values, alpha=scale)
+            else:
+                for grad, i in targets:
+                    self._add_rows(grad, i, start, values, scale)
+        if fresh:
+            for master, view in zip(masters, views):
+                master.grad = view
+
+    def _add_rows(self, grad: torch.Tensor, i: int, start: int, values: torch.Tensor, scale: float) -> None:
+        """Parameter ``i``'s rows inside the piece of the shard at ``start`` (``values``) into ``grad``."""
+        span = self.layout.spans[i]
+        lo = max(start, span.shard_offset)
+        hi = min(start + values.numel(), span.shard_offset + span.local_rows * span.row_numel)
+        if hi > lo:
+            rows = slice((lo - span.shard_offset) // span.row_numel, (hi - span.shard_offset) // span.row_numel)
+            grad[rows].add_(values[lo - start : hi - start].view(rows.stop - rows.start, *span.shape[1:]),
+                            alpha=scale)
 
     @staticmethod
     def run_post_accumulate_hooks(masters: list[torch.Tensor]) -> None:

@@ -120,7 +120,7 @@ class FSDPUnit:
         self.param_group.yield_slot = self._finish_for_slot
 
     def rename(self, name: str) -> None:
-        self.name = self.param_group.name = self.grads.name = name
+        self.name = self.param_group.name = self.grads.name = self.grads.reduce.name = name
 
     @property
     def params(self) -> list[ShardedParam]:

@@ -1,0 +1,104 @@
+"""One unit's reduce-scatter: where its input is staged, the copy-in, the collective.
+
+The staging is the shared one (``buffers.CommScratch``) where the unit fits it; a wider unit goes
+through it piece by piece (``reduce_pieces.py``), or, where one row of a parameter does not fit
+(or no unit fits, so there is no shared staging), takes staging of its own for each reduce. The
+reduce-scatter writes in place, into this rank's row of its input; HSDP then all-reduces that row
+across replicas. ``UnitGradients`` decides where the gradients come from and where the result goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .buffers import CommScratch, GradBuffer
+from .collective_graphs import CollectiveGraphs
+from .collectives import CommStreams, all_reduce, collective_failed, reduce_scatter_sum
+from .flat_layout import FlatLayout
+from .mesh import ShardMesh
+from .reduce_pieces import ReducePiece, copy_piece_in, plan_pieces
+
+
+class UnitReduce:
+    def __init__(self, layout: FlatLayout, mesh: ShardMesh, device: torch.device) -> None:
+        self.layout, self.device = layout, device
+        self.name = "?"  # the unit's name (for error messages)
+        self.group: dist.ProcessGroup | None = mesh.shard_group
+        self.replicate_group: dist.ProcessGroup | None = mesh.replicate_group
+        self._staging: tuple | None = None  # (scratch, reduce_in by rank, reduce_in, this rank's row) of this unit
+        self._planned: tuple | None = None  # (staging size, the pieces or None) of a unit larger than it
+
+    def pieces(self, scratch: CommScratch) -> list[ReducePiece] | None:
+        """How this unit goes through the shared staging in pieces; None: it fits the staging
+        whole, or stages on its own."""
+        if scratch.fits(self.layout.gathered_numel) or scratch.reduce_in is None:
+            return None
+        if self._planned is None or self._planned[0] != scratch.gathered_numel:
+            self._planned = (scratch.gathered_numel, plan_pieces(self.layout, scratch.gathered_numel))
+        return self._planned[1]
+
+    def whole(self, sources: list[torch.Tensor], target: GradBuffer, from_target: bool, scratch: CommScratch,
+              streams: CommStreams, graphs: CollectiveGraphs | None) -> list[tuple[int, torch.Tensor]]:
+        """One copy-in and one reduce-scatter of the whole unit, in the shared staging or in staging
+        of its own; returns this rank's shard. ``from_target``: ``sources`` are views of ``target``,
+        zeroed once copied in; ``graphs``: the unit's collective graphs, which replay the two."""
+        shared = scratch.fits(self.layout.gathered_numel)
+        if shared and (self._staging is None or self._staging[0] is not scratch):
+            self._staging = (scratch, *self._staging_views(scratch.reduce_in))
+        graphs = graphs if from_target and shared else None  # (graphs read fixed addresses only)
+        # Staging of its own (see ``buffers.CommScratch``) is allocated on this stream and freed
+        # when the reduce is done: the allocator hands the block only to later work of this
+        # stream, which is queued after these kernels.
+        by_rank, grads, reduced = self._staging[1:] if shared else self._staging_views(
+            torch.empty(self.layout.gathered_numel, dtype=scratch.dtypes.reduce, device=self.device))
+        key = (target.tensor.data_ptr(), grads.data_ptr(), reduced.data_ptr()) if graphs is not None else None
+        if not from_target:
+            self.layout.copy_in(sources, by_rank)
+        elif graphs is None:
+            self._copy_in(sources, by_rank, target)
+        else:
+            graphs.run("copy_in", key, lambda: self._copy_in(sources, by_rank, target))
+        target.reduce_done = streams.record(streams.reduce)  # the target is free again
+        if self.group is None and self.replicate_group is None:
+            pass  # one process: the staging holds the sum, and the output is its only row
+        elif graphs is None:
+            self._reduce_scatter(grads, reduced)
+        else:
+            graphs.run("reduce_scatter", key, lambda: self._reduce_scatter(grads, reduced))
+        return [(0, reduced)]
+
+    def in_pieces(self, pieces: list[ReducePiece], sources: list[torch.Tensor],
+                  reduce_in: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each piece copied into the shared staging, reduce-scattered in place, and handed on
+        (``ShardedGrads.accumulate`` reads it before the next piece overwrites the staging)."""
+        world, rank = self.layout.world_size, self.layout.rank
+        for piece in pieces:
+            by_rank = reduce_in[: world * piece.numel].view(world, piece.numel)
+            copy_piece_in(self.layout, piece, sources, by_rank)
+            if self.group is not None or self.replicate_group is not None:
+                self._reduce_scatter(by_rank.view(-1), by_rank[rank])
+            yield piece.start, by_rank[rank]
+
+    def _copy_in(self, sources: list[torch.Tensor], by_rank: torch.Tensor, target: GradBuffer) -> None:
+        """The gradients into the staging in rank order (reduce dtype); the target zeroed for the
+        next backward, off its path."""
+        self.layout.copy_in(sources, by_rank)
+        target.tensor[: self.layout.unsharded_numel].zero_()
+
+    def _reduce_scatter(self, grads: torch.Tensor, reduced: torch.Tensor) -> None:
+        try:
+            reduce_scatter_sum(reduced, grads, self.group)
+            all_reduce(reduced, self.replicate_group)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:  # gloo: a peer that never joined (timeout) or died
+            raise collective_failed("gradient reduce-scatter", self.name, err) from err
+
+    def _staging_views(self, reduce_in: torch.Tensor) -> tuple:
+        """The copy-in's rows by rank, the reduce-scatter's input, and its output: this rank's row of
+        the input (the in-place form, which saves a shard-sized buffer)."""
+        by_rank = self.layout.by_rank(reduce_in)
+        return by_rank, reduce_in[: self.layout.gathered_numel], by_rank[self.layout.rank]
