@@ -82,6 +82,7 @@ OFFLOAD_SYSTEMS = ("ours_eager_offload", "ours_eager_offload_every2", "ours_eage
                    "ours_full_iteration_offload", "ours_full_iteration_offload_every3")
 GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp", "ours_segment_graphs",
                  "ours_segment_and_optimizer_graphs", "ours_full_iteration", "floor", *OFFLOAD_SYSTEMS[4:])
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
 SEGMENT_SIZE = [3]  # ours_segment_graphs' blocks per graph (--segment-size)
 WHOLE_GRAPH_SYSTEMS = ("fsdp2_full_graph", "floor")
 LOSS_RTOL = 1e-2  # bf16 compute: different reduction orders drift apart by far less than this
@@ -594,8 +595,10 @@ def markdown(records: list[dict]) -> str:
         return "–" if value is None else format(value, fmt)
 
     params = {r["config"]: r["params_m"] for r in records if "params_m" in r}
+    confs = {r.get("alloc_conf") for r in records if r.get("alloc_conf") is not None}
+    allocator = f"; allocator: PYTORCH_CUDA_ALLOC_CONF={'/'.join(sorted(confs)) or '(defaults)'}" if confs else ""
     lines = [
-        f"Model: {model_of(records)} ({', '.join(f'{c} {m}M' for c, m in params.items())} parameters)", "",
+        f"Model: {model_of(records)} ({', '.join(f'{c} {m}M' for c, m in params.items())} parameters){allocator}", "",
         "| config | system | step ms (median, min–max) | host ms | tokens/s | MFU | peak GiB | × fsdp2_eager "
         "| × fsdp2_full_graph | × floor | losses vs ours_eager |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -740,12 +743,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels and a fixed NCCL algorithm: every system of ours must then give "
                         "ours_eager's losses bit for bit (a difference is a bug; the run exits with status 1)")
+    p.add_argument("--alloc-conf", default=None, metavar="CONF",
+                   help="the CUDA caching allocator's settings for every system (PYTORCH_CUDA_ALLOC_CONF's syntax). "
+                        "Default: the environment's PYTORCH_CUDA_ALLOC_CONF, else " + DEFAULT_ALLOC_CONF + " "
+                        "(torchtitan's setting: a CUDA graph's pool then grows by pages instead of 20 MiB segments "
+                        "with room left in them); '' for the allocator's own defaults")
     p.add_argument("--out", default="bench")
     p.add_argument("--plot", metavar="RESULTS_JSON", help="only draw the chart from an earlier run's results")
     args = p.parse_args(argv)
     if args.smoke:
         args.config, args.warmup, args.steps = ["smoke"], 1, 3
     return args
+
+
+def set_allocator(conf: str | None) -> str | None:
+    """The caching allocator's settings for the whole run (every system the same), before the first
+    CUDA allocation; returns them (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", DEFAULT_ALLOC_CONF) if conf is None else conf
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf  # (read when the allocator starts, if it has not yet)
+    if conf:
+        torch.cuda.memory._set_allocator_settings(conf)
+    return conf
 
 
 def bench_config(text: str, model: str = "gpt") -> BenchConfig:
@@ -770,6 +790,7 @@ def main(argv=None) -> None:
     if args.deterministic:
         make_deterministic()
     SEGMENT_SIZE[0] = args.segment_size
+    alloc_conf = set_allocator(args.alloc_conf)
     info = fsdp_graph.init_distributed()
     env = Env(info.rank, info.world_size, info.device)
     records = []
@@ -788,7 +809,7 @@ def main(argv=None) -> None:
             if info.is_main:
                 print(f"[{args.model} {bench.name}] {system} ...", flush=True)
             record = measure(system, bench, env, args.warmup, args.steps, args.hot_path, args.profile, args.memory)
-            records.append({"model": args.model, **record})
+            records.append({"model": args.model, **record, "alloc_conf": alloc_conf if env.cuda else None})
             if env.world_size > 1:
                 dist.barrier()
     compare_losses(records)

@@ -128,6 +128,11 @@ class _Timeline:
             return self.starts[i]
         return None
 
+    def _pool_range_of(self, addr: int) -> int | None:
+        """The start of the pool segment (as the run ends) holding ``addr``, alive or not yet."""
+        i = bisect.bisect_right(self.starts, addr) - 1
+        return self.starts[i] if i >= 0 and addr < self.ranges[i][1] else None
+
     def step(self, i: int, event: dict) -> None:
         action, addr, size = event["action"], event["addr"], event["size"]
         if i in self.pool_births:
@@ -136,6 +141,11 @@ class _Timeline:
         elif action == "segment_free" and addr in self.pool_alive:
             self.pool_alive.discard(addr)
             self.pool_size -= size
+        elif action in ("segment_map", "segment_unmap") and (start := self._pool_range_of(addr)) is not None:
+            # An expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) grows and shrinks
+            # by pages at one address range, which belongs to one pool for its life.
+            self.pool_alive.add(start)
+            self.pool_size += size if action == "segment_map" else -size
         elif action == "alloc":
             if self._pool_segment_of(addr) is not None:
                 self.inside[addr] = event

@@ -164,6 +164,38 @@ def test_scaling_gathers_runs_at_several_world_sizes_into_one_table(tmp_path):
     assert result.returncode != 0 and "runs of several models" in result.stderr
 
 
+def test_the_memory_breakdown_counts_an_expandable_graph_pool_by_its_mapped_pages():
+    """With expandable_segments:True a pool is one address range that grows by mapped pages: counted
+    as mapped (and its blocks as the pool's), not from a segment_alloc that never comes."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from memory_breakdown import GRAPH_POOL, categorized
+
+    mib = 2**20
+    model = [{"filename": "/x/gpt.py", "line": 60, "name": "forward"},
+             {"filename": "/x/fsdp_graph/graphs/capture.py", "line": 212, "name": "forward_pass"}]
+
+    def event(action, addr, size, frames=()):
+        return {"action": action, "addr": addr, "size": size, "frames": list(frames)}
+
+    base = 1 << 40
+    trace = [
+        event("segment_map", 0, 64 * mib),  # an ordinary expandable segment
+        event("alloc", 0, 10 * mib),  # a parameter (by storage)
+        event("segment_map", base, 20 * mib),  # the pool's range, mapped page by page as the capture needs
+        event("alloc", base, 12 * mib, model),
+        event("segment_map", base + 20 * mib, 20 * mib),
+        event("alloc", base + 12 * mib, 26 * mib, model),
+        event("free_completed", base + 12 * mib, 26 * mib),
+        event("alloc", 10 * mib, 30 * mib, model),  # an eager activation beside the whole pool
+    ]
+    result = categorized(trace, [(base, base + 40 * mib)], {0: "parameters"})
+    gib = 2**-30
+    assert result["peak_gib"] == (10 + 40 + 30) * mib * gib
+    assert result["categories"] == {GRAPH_POOL: 40 * mib * gib, "activations and forward temporaries": 30 * mib * gib,
+                                    "parameters": 10 * mib * gib}
+    assert result["pool"]["alive_gib"] == 38 * mib * gib and result["pool"]["pool_gib"] == 40 * mib * gib
+
+
 def test_the_memory_breakdown_counts_a_graph_pool_whole_and_opens_it_at_its_fullest():
     """--memory's trace replay: the peak counts a private pool's segments whole from their creation
     (a replay uses all of it), the blocks outside by category, and the pool's contents at its fullest."""
