@@ -63,7 +63,7 @@ sys.path.insert(1, os.path.dirname(_EXAMPLES_DIR))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hf_models import SIZES, build_hf  # noqa: E402
-from memory_breakdown import breakdown, graph_pool_bytes  # noqa: E402
+from memory_breakdown import breakdown, graph_pool_bytes, graph_pool_ids  # noqa: E402
 from mfu import mfu  # noqa: E402
 
 import fsdp_graph  # noqa: E402
@@ -432,10 +432,12 @@ class PeakMemory:
     (per-layer graphs, captured while the step is built, then replayed with the optimizer state and
     the eager code's tensors beside them). So after the last capture (the first timed step has run,
     which captures the whole step), the steady state counts the pools whole: the peak allocated
-    since, minus what is allocated inside the pools, plus their size."""
+    since, minus what is allocated inside the pools, plus their size. Only this system's pools:
+    those an earlier system's graphs left (``earlier_pools``, taken before this system was built)
+    are not counted, as the baseline leaves out the tensors it left."""
 
-    def __init__(self, cuda: bool) -> None:
-        self.cuda, self.before = cuda, None
+    def __init__(self, cuda: bool, earlier_pools: set = frozenset()) -> None:
+        self.cuda, self.before, self.earlier_pools = cuda, None, earlier_pools
 
     def graphs_captured(self) -> None:
         if self.cuda:
@@ -448,24 +450,26 @@ class PeakMemory:
     def peak(self) -> int:
         if self.before is None:
             return self.peak_allocated()
-        pool_size, pool_allocated = graph_pool_bytes()
+        pool_size, pool_allocated = graph_pool_bytes(exclude=self.earlier_pools)
         return max(self.before, torch.cuda.max_memory_allocated() - pool_allocated + pool_size)
 
 
 def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, hot_path: bool,
             profile: bool = False, memory: bool = False) -> dict:
     batches = make_batches(bench, env, warmup + steps)
-    baseline = 0
+    baseline, earlier_pools, left = 0, set(), None
     if env.cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()  # anything an earlier system left: not this system's
+        earlier_pools = graph_pool_ids()
+        left = max_over_ranks((baseline + graph_pool_bytes()[0] - graph_pool_bytes()[1]) / 2**30, env)
     # A system built with a whole-step graph ran its warm-up steps while building (warm_losses).
     step, warm_losses = BUILDERS[system](bench, env, batches, warmup)
     first = warmup if system in WHOLE_GRAPH_SYSTEMS else 0
     losses = list(warm_losses or [])
     times, host = [], []
-    peak = PeakMemory(env.cuda)
+    peak = PeakMemory(env.cuda, earlier_pools)
     for i in range(first, warmup + steps):
         if i == warmup + 1:
             peak.graphs_captured()
@@ -511,6 +515,7 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
         "peak_allocated_gib": max_over_ranks((peak.peak_allocated() - baseline) / 2**30, env)
         if env.cuda else None,
         "losses": [float(x) for x in losses] if system != "floor" else None,
+        "left_by_earlier_systems_gib": left,  # (tensors and graph pools, none of it counted above)
     }
     if timer is not None:
         record["hot_path_us"] = timer.per_call_us()

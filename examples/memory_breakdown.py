@@ -86,9 +86,15 @@ def _graph_pool_segments(snapshot: dict) -> list[tuple[int, int]]:
     return [(s["address"], s["address"] + s["total_size"]) for s in _private_pool_segments(snapshot)]
 
 
-def graph_pool_bytes() -> tuple[int, int]:
-    """(size, allocated) in bytes of the CUDA graphs' private pools now."""
-    pools = _private_pool_segments(torch.cuda.memory._snapshot())
+def graph_pool_ids() -> set[tuple[int, int]]:
+    """The ids of the CUDA graphs' private pools that hold memory now."""
+    return {tuple(s["segment_pool_id"]) for s in _private_pool_segments(torch.cuda.memory._snapshot())}
+
+
+def graph_pool_bytes(exclude: set[tuple[int, int]] = frozenset()) -> tuple[int, int]:
+    """(size, allocated) in bytes of the CUDA graphs' private pools now, but those of ``exclude``."""
+    pools = [s for s in _private_pool_segments(torch.cuda.memory._snapshot())
+             if tuple(s["segment_pool_id"]) not in exclude]
     return sum(s["total_size"] for s in pools), sum(s["allocated_size"] for s in pools)
 
 
