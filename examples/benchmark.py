@@ -53,6 +53,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -769,7 +770,9 @@ def set_allocator(conf: str | None) -> str | None:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", DEFAULT_ALLOC_CONF) if conf is None else conf
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf  # (read when the allocator starts, if it has not yet)
     if conf:
-        torch.cuda.memory._set_allocator_settings(conf)
+        with warnings.catch_warnings():  # (torch 2.13 deprecates it for the accelerator-wide call it forwards to)
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.cuda.memory._set_allocator_settings(conf)
     return conf
 
 

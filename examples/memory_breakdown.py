@@ -43,7 +43,7 @@ INNERMOST_RULES = (  # (file, function, category) of the innermost frame (or the
 FRAME_RULES = (  # (substring of a frame's file, function name or None, category); first frame that matches wins
     ("fsdp_graph/fsdp/buffers.py", "allocate_staging", STAGING),
     ("fsdp_graph/fsdp/param_group.py", "_issue_unshard", STAGING),  # a wide unit's own, per all-gather
-    ("fsdp_graph/fsdp/gradients.py", "_reduce_whole", STAGING),  # ... per reduce-scatter
+    ("fsdp_graph/fsdp/unit_reduce.py", "whole", STAGING),  # ... per reduce-scatter (where not in pieces)
     ("fsdp_graph/fsdp/buffers.py", None, BUFFERS),
     ("fsdp_graph/fsdp/gradients.py", "_accumulation_buffer", BUFFERS),  # no_sync's sum
     ("fsdp_graph/fsdp/sharded_grads.py", None, SHARDED_GRADS),

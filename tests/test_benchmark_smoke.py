@@ -186,14 +186,18 @@ def test_the_memory_breakdown_counts_an_expandable_graph_pool_by_its_mapped_page
         event("segment_map", base + 20 * mib, 20 * mib),
         event("alloc", base + 12 * mib, 26 * mib, model),
         event("free_completed", base + 12 * mib, 26 * mib),
-        event("alloc", 10 * mib, 30 * mib, model),  # an eager activation beside the whole pool
+        event("segment_unmap", base + 20 * mib, 20 * mib),  # pages given back: the pool is 20 MiB ...
+        event("alloc", 10 * mib, 35 * mib, model),  # ... while an eager activation lives beside it
+        event("free_completed", 10 * mib, 35 * mib),
+        event("segment_map", base + 20 * mib, 20 * mib),  # 40 MiB again
     ]
     result = categorized(trace, [(base, base + 40 * mib)], {0: "parameters"})
     gib = 2**-30
-    assert result["peak_gib"] == (10 + 40 + 30) * mib * gib
-    assert result["categories"] == {GRAPH_POOL: 40 * mib * gib, "activations and forward temporaries": 30 * mib * gib,
+    assert result["peak_gib"] == (10 + 20 + 35) * mib * gib
+    assert result["categories"] == {GRAPH_POOL: 20 * mib * gib, "activations and forward temporaries": 35 * mib * gib,
                                     "parameters": 10 * mib * gib}
     assert result["pool"]["alive_gib"] == 38 * mib * gib and result["pool"]["pool_gib"] == 40 * mib * gib
+    assert result["pool"]["pools_gib_at_end"] == 40 * mib * gib
 
 
 def test_the_memory_breakdown_counts_a_graph_pool_whole_and_opens_it_at_its_fullest():

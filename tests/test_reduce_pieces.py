@@ -75,16 +75,21 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
-def _train_wide_root(info) -> None:
+def _train_wide_root(info, mesh_shape: tuple | None) -> None:
     """Three models: sharded (the root reduced in pieces), sharded with the root reduced whole (its
-    plan made while ``plan_pieces`` answers None), and the replicated reference."""
+    plan made while ``plan_pieces`` answers None), and the replicated reference. ``mesh_shape``:
+    HSDP's (replicate, shard), each piece all-reduced across the replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from fsdp_graph.fsdp import unit_reduce
 
-    vocab = 301  # the tied embedding: 101 rows per rank at three ranks, the last rank's two short
+    vocab = 301  # the tied embedding: 101 rows per rank at three ranks (151 at two), the last rank's short
     model, ref = build(info.device, vocab=vocab, n_blocks=2)
     whole, _ = build(info.device, vocab=vocab, n_blocks=2)
-    shard(model)
-    shard(whole)
+    kwargs = {} if mesh_shape is None else {
+        "mesh": init_device_mesh(info.device.type, mesh_shape, mesh_dim_names=("replicate", "shard"))}
+    shard(model, **kwargs)
+    shard(whole, **kwargs)
     models = (model, whole, ref)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
 
@@ -99,7 +104,8 @@ def _train_wide_root(info) -> None:
         idx, targets = global_batch(step, info.world_size, info.device)
         lm_loss(ref, idx, targets).backward()
 
-    for step, how in enumerate(["fresh", "no_sync", "one_grad_dropped", "fresh"]):
+    # (the second no_sync round starts from an accumulation buffer the first one's pieces read and zeroed)
+    for step, how in enumerate(["fresh", "no_sync", "one_grad_dropped", "no_sync", "fresh"]):
         if how == "no_sync":  # the first micro-batch's sum waits in the accumulation buffer
             for m in models[:2]:
                 m.set_requires_gradient_sync(False)
@@ -112,9 +118,9 @@ def _train_wide_root(info) -> None:
         backward_all(step)
         trained = [(name, p, q, r) for (name, p), q, r in zip(model.named_parameters(), whole.parameters(),
                                                               ref.parameters()) if p.requires_grad]
-        for name, p, q, _ in trained:  # the same sums, bitwise
+        for name, p, q, _ in trained:  # the same sums, bitwise (each over at most three ranks)
             assert torch.equal(_local(p.grad), _local(q.grad)), (how, name)
-        for name, p, _, q in trained:  # three ranks: summed in another order than the reference
+        for name, p, _, q in trained:  # several ranks: summed in another order than the reference
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{how} {name}: {m}")
         if step == 0:  # (the staging is planned at the first forward)
@@ -131,8 +137,9 @@ def _train_wide_root(info) -> None:
         assert not unit.grads.accumulation_pending
 
 
-def test_a_wide_root_reduced_in_pieces_trains_like_the_reference():
-    run_ranks(_train_wide_root, 3)
+@pytest.mark.parametrize("world, mesh_shape", [(3, None), (4, (2, 2))], ids=["three_ranks", "hsdp_2x2"])
+def test_a_wide_root_reduced_in_pieces_trains_like_the_reference(world, mesh_shape):
+    run_ranks(_train_wide_root, world, mesh_shape)
 
 
 def test_the_whole_model_as_one_unit_keeps_staging_of_its_own():

@@ -175,17 +175,20 @@ class UnitGradients:
                 sources = target.held = written  # until the compute stream has waited for this reduce
             else:
                 sources = self._sources(target)
+            scale = 1.0 / (self.divide_factor or self.world_size)
             if pieces is None:
                 # (A unit with collective graphs has fixed addresses: graph_modules requires them.)
                 graphs = self.collective_graphs if can_replay(self.collective_graphs) else None
                 reduced = self.reduce.whole(sources, target, written is None, scratch, streams, graphs)
+                self.sharded.accumulate(reduced, current, self.trainable, scale)
             else:
-                reduced = self.reduce.in_pieces(pieces, sources, scratch.reduce_in)
-            self.sharded.accumulate(reduced, current, self.trainable, 1.0 / (self.divide_factor or self.world_size))
-            if pieces is not None:  # (every piece read: the target is free again)
-                if written is None:
-                    target.tensor[: self.layout.unsharded_numel].zero_()  # for the next backward, off its path
-                target.reduce_done = streams.record(streams.reduce)
+                try:
+                    self.sharded.accumulate(self.reduce.in_pieces(pieces, sources, scratch.reduce_in), current,
+                                            self.trainable, scale)
+                    if written is None:
+                        target.tensor[: self.layout.unsharded_numel].zero_()  # for the next backward, off its path
+                finally:  # (also after a failed collective: what was queued reading the target is covered)
+                    target.reduce_done = streams.record(streams.reduce)
             if written is None:
                 target.zeroed = True
             later = self.use.take_candidates(self.trainable, current)  # settled at the end of the backward

@@ -13,9 +13,12 @@ instead, it needs no memory of its own:
   reduce-scattered in place, and accumulated into the sharded gradients, one after another on the
   reduce stream, so the staging is reused only after the piece before it has been read.
 
-Every element is summed over the same ranks as in one reduce-scatter of the whole unit. If one row
+Every element is summed over the same ranks as in one reduce-scatter of the whole unit (where a
+collective's summation order depends on its size, as gloo's all-reduce over more than two HSDP
+replicas does, a piece may round differently from the whole, as any bucketing would). If one row
 of some parameter is larger than the staging (or there is no shared staging), the unit stages on
-its own as before.
+its own as before. A collective that fails part-way leaves the pieces before it accumulated; its
+``CollectiveError`` ends the step, as any failed collective does.
 """
 
 from __future__ import annotations
