@@ -464,7 +464,8 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()  # anything an earlier system left: not this system's
         earlier_pools = graph_pool_ids()
-        left = max_over_ranks((baseline + graph_pool_bytes()[0] - graph_pool_bytes()[1]) / 2**30, env)
+        pool_size, pool_allocated = graph_pool_bytes()
+        left = max_over_ranks((baseline + pool_size - pool_allocated) / 2**30, env)
     # A system built with a whole-step graph ran its warm-up steps while building (warm_losses).
     step, warm_losses = BUILDERS[system](bench, env, batches, warmup)
     first = warmup if system in WHOLE_GRAPH_SYSTEMS else 0

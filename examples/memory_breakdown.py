@@ -129,10 +129,9 @@ class _Timeline:
         self.outside_bytes = self.inside_bytes = self.pool_size = 0
 
     def _pool_segment_of(self, addr: int) -> int | None:
-        i = bisect.bisect_right(self.starts, addr) - 1
-        if i >= 0 and addr < self.ranges[i][1] and self.starts[i] in self.pool_alive:
-            return self.starts[i]
-        return None
+        """The start of the alive pool segment holding ``addr``."""
+        start = self._pool_range_of(addr)
+        return start if start in self.pool_alive else None
 
     def _pool_range_of(self, addr: int) -> int | None:
         """The start of the pool segment (as the run ends) holding ``addr``, alive or not yet."""

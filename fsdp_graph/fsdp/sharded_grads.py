@@ -113,7 +113,8 @@ class ShardedGrads:
                     master.grad = grad = view
                 targets.append((local_tensor(grad), i))
         for start, values in reduced:
-            flat = self.flat.narrow(0, start, values.numel())
+            whole = start == 0 and values.numel() == self.flat.numel()  # (the common case: no view to make)
+            flat = self.flat if whole else self.flat.narrow(0, start, values.numel())
             if fresh and values.dtype == flat.dtype:
                 torch.mul(values, scale, out=flat)  # one pass instead of zero_ + add_
             elif fresh or ours:
