@@ -22,7 +22,9 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
   reduce bodies as small CUDA graphs on their side streams;
 * for segment graphs (several units' steps captured, eager code around them): the unit hooks
   (``unit_hooks``) to take off, ``run_as_forward`` to run a unit's steps by hand, and per unit
-  ``segmented`` (no prefetch from outside) and ``param_group`` (its slot, ``evict``);
+  ``segmented`` (no prefetch from outside), ``param_group`` (its slot, ``evict``; its
+  ``dtypes.reduce``), ``grads.parking`` (where a captured reduce leaves the summed shard) and
+  ``grads.accumulate_parked`` (which adds it into ``.grad`` after the replay, as eagerly);
 * ``local_tensor``: this rank's piece of a master or of its ``.grad`` (the address a graph reads);
 * per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
   ``grads.pin_sharded()``, ``grads.expose_sharded(unused)``, ``grads.use.unused`` (the parameters

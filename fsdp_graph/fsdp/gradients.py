@@ -67,6 +67,9 @@ class UnitGradients:
         self._copy_in_sources: dict[int, tuple] = {}  # id(target) -> (target, its padded views)
         self.reduce = UnitReduce(layout, mesh, self.device)  # staging, copy-in, reduce-scatter
         self.collective_graphs: CollectiveGraphs | None = None  # the reduce replayed as graphs (graph strategies)
+        # Set while a segment graph captures this unit: the reduce leaves this rank's summed shard here
+        # (unscaled, reduce dtype) and stops; ``accumulate_parked`` finishes it after each replay.
+        self.parking: torch.Tensor | None = None
         self._zeros = _Zeros(layout, compute_dtype, self.device)  # for a frozen parameter, or one that got none
         self.use = GradientUse()  # which parameters got a gradient (``unused_params.py``)
 
@@ -161,10 +164,35 @@ class UnitGradients:
             entry = self._copy_in_sources[id(target)] = (target, self.layout.padded_views(target.tensor))
         return entry[1]
 
+    def _take_sharded(self, writer_stream) -> list:
+        """The trainable masters' ``.grad`` before the reduce changes them, and memory for the sharded
+        buffer, taken on the compute stream, where its readers (optimizer, clipping) run."""
+        current = [m.grad for m in self._masters]
+        self.sharded.take(zeros=not all(map(operator.is_, current, repeat(None))), writer_stream=writer_stream)
+        return current
+
+    def _hand_on(self, reduced, current: list | None, scale: float) -> None:
+        """This rank's reduced shard, as (start, values) pieces: into ``.grad``, or parked."""
+        if self.parking is None:
+            self.sharded.accumulate(reduced, current, self.trainable, scale)
+            return
+        for start, values in reduced:
+            self.parking.narrow(0, start, values.numel()).copy_(values)
+
+    def accumulate_parked(self, parked: torch.Tensor) -> None:
+        """After a segment graph's backward replay, on the stream that replayed it: the shard its
+        reduce parked (see ``parking``) into the masters' ``.grad``, as the eager reduce does."""
+        if self.trainable:
+            current = self._take_sharded(None)
+            self.sharded.accumulate([(0, parked)], current, self.trainable, self._scale())
+            self.sharded.run_post_accumulate_hooks(self._masters)
+
+    def _scale(self) -> float:
+        return 1.0 / (self.divide_factor or self.world_size)
+
     def _reduce(self, target: GradBuffer, scratch: CommScratch, streams: CommStreams) -> None:
-        current = [m.grad for m in self._masters]  # read before the reduce changes them (post-accumulate hooks)
-        # Memory taken now is taken on the compute stream, where its readers (optimizer, clipping) run.
-        self.sharded.take(zeros=not all(map(operator.is_, current, repeat(None))), writer_stream=streams.reduce)
+        parked = self.parking is not None
+        current = [m.grad for m in self._masters] if parked else self._take_sharded(streams.reduce)
         written = _take_written(self.params, self.layout, self._zeros) if self._written else None
         if written is None and not target.side_streams_noted:
             streams.shared_with_side_streams(target.tensor)
@@ -175,16 +203,15 @@ class UnitGradients:
                 sources = target.held = written  # until the compute stream has waited for this reduce
             else:
                 sources = self._sources(target)
-            scale = 1.0 / (self.divide_factor or self.world_size)
+            scale = self._scale()
             if pieces is None:
                 # (A unit with collective graphs has fixed addresses: graph_modules requires them.)
                 graphs = self.collective_graphs if can_replay(self.collective_graphs) else None
-                reduced = self.reduce.whole(sources, target, written is None, scratch, streams, graphs)
-                self.sharded.accumulate(reduced, current, self.trainable, scale)
+                self._hand_on(self.reduce.whole(sources, target, written is None, scratch, streams, graphs), current,
+                              scale)
             else:
                 try:
-                    self.sharded.accumulate(self.reduce.in_pieces(pieces, sources, scratch.reduce_in), current,
-                                            self.trainable, scale)
+                    self._hand_on(self.reduce.in_pieces(pieces, sources, scratch.reduce_in), current, scale)
                     if written is None:
                         target.tensor[: self.layout.unsharded_numel].zero_()  # for the next backward, off its path
                 finally:  # (also after a failed collective: what was queued reading the target is covered)
@@ -192,8 +219,9 @@ class UnitGradients:
             if written is None:
                 target.zeroed = True
             later = self.use.take_candidates(self.trainable, current)  # settled at the end of the backward
-            self.sharded.run_post_accumulate_hooks(
-                [m for i, m in zip(self.trainable, self._masters) if i not in later] if later else self._masters)
+            if not parked:
+                self.sharded.run_post_accumulate_hooks(
+                    [m for i, m in zip(self.trainable, self._masters) if i not in later] if later else self._masters)
 
     # -- between steps ----------------------------------------------------------------------
     def clear(self) -> None:

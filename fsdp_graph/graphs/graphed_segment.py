@@ -6,7 +6,10 @@ block of the segment, with their all-gathers) and returns its own output; each l
 checks that it gets the previous block's output and the first block's other arguments, and returns
 its own. Anything else would be a block computed from another input than the one it was given: it
 raises. One autograd function spans the segment; its backward replays the backward graph (the
-blocks' backward with their unshards and reduce-scatters into the pinned sharded gradients).
+blocks' backward with their unshards and reduce-scatters, each unit's summed shard parked in a
+buffer shared by the segments) and then adds the parked shards into the masters' ``.grad`` as the
+eager reduce does (``UnitGradients.accumulate_parked``: ``zero_grad``, a replaced ``.grad``, the
+divide factor and post-accumulate-grad hooks behave as eagerly).
 
 The graphs depend on no Python state outside them (``docs/segment_graphs.md``). What the replay
 does around them, and why:
@@ -15,9 +18,7 @@ does around them, and why:
   same staging and slots, and the graph's own side-stream branches wait only on the caller's stream;
 * afterwards the slots the graph wrote are marked as its units' (``claim_slots``), so a unit that
   believed its data was still in one gathers again;
-* before the backward: the refusals that keep it equal to eager (``no_sync``, a changed divide
-  factor, a replaced ``.grad``, a post-accumulate-grad hook), and ``.grad`` None made a zeroed view
-  of the pinned buffer, since the graph adds into it.
+* before the backward: ``no_sync`` is refused (the graph reduces at every backward).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class GraphedSegment:
         self.training = True
         self.autocast = (False, None)
         self.trainable: list[list[bool]] = []  # per unit, per parameter: requires_grad at capture
-        self.divide_factors: list = []
+        self.parked: list[torch.Tensor] = []  # per unit: where its reduce leaves its summed shard
         self.claims_forward: list[tuple] = []  # (slot buffers, unit) the forward graph leaves in each slot
         self.claims_backward: list[tuple] = []
         # Per call:
@@ -209,49 +210,20 @@ class GraphedSegment:
     def backward_pending(self) -> bool:
         return self._pending is not None and self._pending() is not None
 
-    def prepare_gradients(self) -> None:
-        """Refuse what the captured backward would get wrong; give ``.grad`` None a zeroed view of the
-        pinned sharded buffer (the graph adds into it, and 0 + x·s is bitwise x·s)."""
-        zeros = []
-        for unit, factor in zip(self.units, self.divide_factors):
-            grads = unit.grads
-            if not unit.requires_gradient_sync or grads.accumulation_pending:
+    def refuse_no_sync(self) -> None:
+        for unit in self.units:
+            if not unit.requires_gradient_sync or unit.grads.accumulation_pending:
                 raise RuntimeError(
                     f"segment {self.name}: FSDP unit {unit.name} accumulates without synchronising (no_sync or "
                     "set_requires_gradient_sync(False)), but the segment's backward graph reduce-scatters at every "
                     f"backward. For gradient accumulation, {NO_SYNC_FIX}."
                 )
-            if grads.divide_factor != factor:
-                raise RuntimeError(
-                    f"segment {self.name}: set_gradient_divide_factor was called on FSDP unit {unit.name} after the "
-                    "capture; the graph keeps the factor it was captured with. Set it before graphing."
-                )
-            views, missing = grads.sharded.views, []
-            for i in grads.trainable:
-                master = unit.params[i].master
-                if master._post_accumulate_grad_hooks:
-                    raise RuntimeError(
-                        f"segment {self.name}: parameter {unit.params[i].name} of FSDP unit {unit.name} has a "
-                        "post-accumulate-grad hook, Python that a graph cannot replay. Remove it, or "
-                        f"{NO_SYNC_FIX}."
-                    )
-                grad = master.grad
-                if grad is None:
-                    missing.append(i)
-                elif grad is not views[i]:
-                    raise RuntimeError(
-                        f"segment {self.name}: the .grad of parameter {unit.params[i].name} (FSDP unit {unit.name}) "
-                        "was replaced by another tensor; the graph accumulates into the sharded gradient buffer. "
-                        "Use optimizer.zero_grad() (or set .grad to None) instead of assigning .grad."
-                    )
-            if len(missing) == len(grads.trainable):
-                zeros.append(grads.sharded.flat)
-            else:
-                zeros += [grads.sharded.local_views[i] for i in missing]
-            for i in missing:
-                unit.params[i].master.grad = views[i]
-        if zeros:
-            torch._foreach_zero_(zeros)
+
+    def accumulate_parked(self) -> None:
+        """After the backward replay, on the stream the replay joined: each unit's parked shard into
+        its masters' ``.grad`` (the next segment's replay writes the buffer only after this)."""
+        for unit, parked in zip(self.units, self.parked):
+            unit.grads.accumulate_parked(parked)
 
     def copy_grad_outputs(self, grads: tuple) -> None:
         zero = []
@@ -297,9 +269,10 @@ class _SegmentReplay(torch.autograd.Function):
                 "give the skipped blocks' parameters zero gradients where eager leaves them None. Run every block "
                 "of a segment, or graph blocks that may be skipped with segment_size=1."
             )
-        segment.prepare_gradients()
+        segment.refuse_no_sync()
         segment.streams.wait_for_all()
         segment.copy_grad_outputs(grads)
         launch(segment.bwd_graph, ctx.target)
         segment.claim_slots(segment.claims_backward)
+        segment.accumulate_parked()
         return (None, None, *segment.static_grad_inputs)

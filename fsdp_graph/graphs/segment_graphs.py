@@ -9,7 +9,9 @@ For every segment (``segment_size`` consecutive modules of ``modules``, in execu
 1. Checks, before any capture: each module is an FSDP unit of its own (``fully_shard(block)``),
    with no unit inside it, at fixed addresses, idle, with no hooks but FSDP's, not graphed yet;
    every unit under one root; a capturable device.
-2. The sharded gradients of its units are pinned (the backward graph writes them in place).
+2. One parking buffer for every segment: a unit's reduce inside a segment's graph leaves its
+   summed shard there, and the replay adds it into ``.grad`` afterwards, in Python as eagerly, so
+   the sharded gradients follow ``zero_grad`` as FSDP2's do instead of staying pinned.
 3. Warm-up, on the capture stream, with the units' hooks live and no prefetch leaving the segment:
    ``num_warmup_iters`` eager passes, every segment's forward in order, then every backward in
    reverse. The first one also finds parameters that get no gradient (refused: the graph would
@@ -54,6 +56,7 @@ from .reroute import seal_submodule_hooks
 from .whole_graph import capture_whole
 
 SEGMENT_MARK = "_fsdp_graph_segment"  # on a block of a segment: its GraphedSegment
+_ALIGN = 256  # bytes: each unit's parked shard starts aligned, as the allocator's blocks do
 _FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                        "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
@@ -128,13 +131,6 @@ def _unit_of_block(module: nn.Module, name: str) -> FSDPUnit:
             "kernels, not their Python, so they would run only at capture. Remove them, or graph this block "
             "with graph_modules, which runs a graphed module's hooks eagerly."
         )
-    for param in unit.params:
-        if param.master._post_accumulate_grad_hooks:
-            raise ValueError(
-                f"graph_segments: parameter {param.name} of FSDP unit {unit.name} has a post-accumulate-grad hook "
-                "(optimizer in backward), Python that a graph cannot replay. Step the optimizer after backward, "
-                "or use graph_modules."
-            )
     return unit
 
 
@@ -292,12 +288,6 @@ def _evict(segment: GraphedSegment) -> None:
         unit.param_group.evict()
 
 
-def _expose(segments: list[GraphedSegment]) -> None:
-    for segment in segments:
-        for unit in segment.units:
-            unit.grads.expose_sharded()
-
-
 @contextmanager
 def _prefetch_inside(segments: list[GraphedSegment]):
     """During warm-up and capture each unit prefetches only its neighbour inside its segment."""
@@ -331,17 +321,41 @@ def _fresh_unsharded(units: list[FSDPUnit]):
             param.unsharded = original
 
 
-def _capture(segments: list[GraphedSegment], contexts: list, num_warmup_iters: int, pool) -> None:
-    units = [u for s in segments for u in s.units]
-    pinned = [u.grads.sharded.pinned for u in units]
-    for unit in units:
-        unit.grads.pin_sharded()  # (before the snapshot of outside_training_step, which keeps it)
+def _park(segments: list[GraphedSegment]) -> None:
+    """One buffer, as large as the largest segment's shards, and each segment's view of it per unit:
+    where the unit's reduce leaves its summed shard (reduce dtype) until the replay accumulates it.
+    Segments replay one after another, each accumulating before the next one's graph writes it."""
+    def sizes(segment: GraphedSegment) -> list[tuple[int, torch.dtype, int]]:
+        return [(u.grads.layout.shard_numel, u.param_group.dtypes.reduce,
+                 -(-u.grads.layout.shard_numel * u.param_group.dtypes.reduce.itemsize // _ALIGN) * _ALIGN)
+                for u in segment.units]
+
+    with torch.inference_mode(False):
+        buffer = torch.empty(max(sum(n for *_, n in sizes(s)) for s in segments), dtype=torch.uint8,
+                             device=segments[0].device)
+    for segment in segments:
+        segment.parked, offset = [], 0
+        for numel, dtype, nbytes in sizes(segment):
+            segment.parked.append(buffer[offset:offset + numel * dtype.itemsize].view(dtype))
+            offset += nbytes
+
+
+@contextmanager
+def _parking(units: list[FSDPUnit], parked: list[torch.Tensor]):
+    for unit, buffer in zip(units, parked):
+        unit.grads.parking = buffer
     try:
+        yield
+    finally:
+        for unit in units:
+            unit.grads.parking = None
+
+
+def _capture(segments: list[GraphedSegment], contexts: list, num_warmup_iters: int, pool) -> None:
+    _park(segments)
+    units = [u for s in segments for u in s.units]
+    with _parking(units, [b for s in segments for b in s.parked]):
         _warm_up_and_capture(segments, units, contexts, num_warmup_iters, pool)
-    except BaseException:
-        for unit, was in zip(units, pinned):
-            unit.grads.sharded.pinned = was  # (zero_grad gives the memory back again)
-        raise
 
 
 def _warm_up_and_capture(segments: list[GraphedSegment], units: list[FSDPUnit], contexts: list,
@@ -367,15 +381,12 @@ def _warm_up_and_capture(segments: list[GraphedSegment], units: list[FSDPUnit], 
                 if i == 0:
                     for unit in units:
                         unit.grads.clear()  # (so the reduce notes which parameters got no gradient)
-                else:
-                    _expose(segments)
                 for segment, outputs in zip(reversed(segments), reversed(passes)):
                     _run_backward(segment, outputs)
                 del passes
             if i == 0:
                 _refuse_unused(units)
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
-        _expose(segments)  # the graph records the accumulating path (see graphed_segment.py)
         captured = []
         for segment in segments:
             segment.fwd_graph, outputs = capture_whole(
@@ -393,7 +404,6 @@ def _warm_up_and_capture(segments: list[GraphedSegment], units: list[FSDPUnit], 
     torch.cuda.current_stream().wait_stream(stream)
     for segment in segments:
         segment.trainable = [[p.master.requires_grad for p in u.params] for u in segment.units]
-        segment.divide_factors = [u.grads.divide_factor for u in segment.units]
         segment.finish_capture()
 
 
