@@ -13,9 +13,10 @@ Evaluation with gradients off runs the blocks' FSDP steps by hand and equals eag
 Then the refusals a user can meet, each naming the fix: at replay (another input, shape,
 ``requires_grad``, autocast, frozen parameters, other arguments for a later block, a reentrant
 checkpoint's recompute, an eager block holding its parameters unsharded in a slot the segment
-writes, ``no_sync``, a skipped block, a pending backward) and while graphing (a sample without
-gradient, blocks of two models, a block returning a tuple, a block whose input gets no gradient).
-Runs on two GPUs (NCCL) where there are two, else on one.
+writes, ``no_sync``, a skipped block, a pending backward, a gradient for a block's output inside
+a segment) and while graphing (a sample without gradient, blocks of two models, a block returning
+a tuple, a block whose input gets no gradient). Runs on two GPUs (NCCL) where there are two, else
+on one.
 """
 
 from __future__ import annotations
@@ -243,6 +244,11 @@ def _refusals(info) -> None:
     with pytest.raises(RuntimeError, match="previous forward's backward is still pending"):
         model.blocks[0](x)
     del kept
+    # A loss on a block's output inside a segment: the backward graph takes only the last block's gradient.
+    inner = model.blocks[0](x)
+    loss = model.blocks[1](inner).float().sum() + inner.float().sum()
+    with pytest.raises(RuntimeError, match="output of block 0 .* got a gradient from outside the segment.*ends a"):
+        loss.backward()
     # Forward-only graphs of a segment's blocks.
     model = _segmented(info)
     with pytest.raises(ValueError, match="block of a segment graph"):

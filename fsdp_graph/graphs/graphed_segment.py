@@ -64,7 +64,7 @@ class GraphedSegment:
         self.input_names: list[str] = []
         self.signature = ""
         self.static_outputs: list[torch.Tensor] = []
-        self.static_grad_outputs: list[torch.Tensor] = []
+        self.static_grad_outputs: list[torch.Tensor] = []  # [the last block's output gradient]
         self.static_grad_inputs: list = []  # per input tensor: its gradient, or None
         self.training = True
         self.autocast = (False, None)
@@ -78,13 +78,12 @@ class GraphedSegment:
         self._rest: tuple | None = None  # the first block's arguments after the first
         self._output_versions: list[int] = []
         self._complete = False  # every block of this forward's segment was called (its backward covers them all)
-        self._grad_zero: list[bool] = []  # per static gradient output: known to hold zeros (set by finish_capture)
+        self._grad_zero = False  # the static gradient of the last output is known to hold zeros
 
     def finish_capture(self) -> None:
         self._tensor_positions = [i for i, x in enumerate(self.input_leaves) if isinstance(x, torch.Tensor)]
         self.static_inputs = [self.input_leaves[i] for i in self._tensor_positions]
         self._constants = [(i, x) for i, x in enumerate(self.input_leaves) if not isinstance(x, torch.Tensor)]
-        self._grad_zero = [False] * len(self.static_grad_outputs)
 
     # -- the blocks' calls -------------------------------------------------------------------
     def call(self, position: int, args: tuple, kwargs: dict):
@@ -226,17 +225,25 @@ class GraphedSegment:
             unit.grads.accumulate_parked(parked)
 
     def copy_grad_outputs(self, grads: tuple) -> None:
-        zero = []
-        for i, (grad, static) in enumerate(zip(grads, self.static_grad_outputs)):
-            if grad is None:
-                if not self._grad_zero[i]:
-                    zero.append(static)
-                    self._grad_zero[i] = True
-            elif grad.data_ptr() != static.data_ptr():
-                static.copy_(grad)
-                self._grad_zero[i] = False
-        if zero:
-            torch._foreach_zero_(zero)
+        """The last block's output gradient into the static buffer the backward graph reads. The graph
+        takes no gradient for the other blocks' outputs (each feeds the next block inside the graph):
+        one that got a gradient from outside the segment is refused, not dropped."""
+        inner = [i for i, grad in enumerate(grads[:-1]) if grad is not None]
+        if inner:
+            raise RuntimeError(
+                f"segment {self.name}: the output of {self._block(inner[0])} got a gradient from outside the "
+                "segment (a loss or other code that reads it besides the next block), but the segment's backward "
+                "graph takes a gradient only for its last block's output. Choose segment_size so that this block "
+                "ends a segment, or graph these blocks with graph_modules."
+            )
+        grad, static = grads[-1], self.static_grad_outputs[0]
+        if grad is None:
+            if not self._grad_zero:
+                static.zero_()
+                self._grad_zero = True
+        elif grad.data_ptr() != static.data_ptr():
+            static.copy_(grad)
+            self._grad_zero = False
 
 
 class _SegmentReplay(torch.autograd.Function):

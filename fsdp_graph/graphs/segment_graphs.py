@@ -271,7 +271,7 @@ def _run_backward(segment: GraphedSegment, outputs: list[torch.Tensor]) -> list:
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
     for x in inputs:
         x.grad = None
-    torch.autograd.backward(outputs, segment.static_grad_outputs)
+    torch.autograd.backward(outputs[-1:], segment.static_grad_outputs)  # (only the last leaves the segment)
     stuck = [u.name for u in segment.units if u.state is not TrainingState.IDLE]
     if stuck:
         raise RuntimeError(
@@ -377,7 +377,7 @@ def _warm_up_and_capture(segments: list[GraphedSegment], units: list[FSDPUnit], 
                 passes = [_run_forward(s) for s in segments]
                 for segment, outputs in zip(segments, passes):
                     if segment.static_grad_outputs is None:
-                        segment.static_grad_outputs = [torch.zeros_like(o) for o in outputs]
+                        segment.static_grad_outputs = [torch.zeros_like(outputs[-1])]
                 if i == 0:
                     for unit in units:
                         unit.grads.clear()  # (so the reduce notes which parameters got no gradient)
