@@ -39,6 +39,7 @@ INNERMOST_RULES = (  # (file, function, category) of the innermost frame (or the
     ("fsdp_graph/graphs/capture.py", "static_copy", STATICS),
     ("fsdp_graph/graphs/capture.py", "backward_pass", STATICS),  # (the static gradient outputs)
     ("fsdp_graph/graphs/segment_graphs.py", "_warm_up_and_capture", STATICS),  # (its gradient outputs)
+    ("fsdp_graph/graphs/segment_graphs.py", "_park", STAGING),  # (the reduced shards, until accumulated)
 )
 FRAME_RULES = (  # (substring of a frame's file, function name or None, category); first frame that matches wins
     ("fsdp_graph/fsdp/buffers.py", "allocate_staging", STAGING),

@@ -57,7 +57,8 @@ def _parked_equals_direct(info) -> None:
                 model.blocks[2].set_gradient_divide_factor(5.0)
         if parking is None:  # (the staging is planned at the first forward)
             local_loss(parked, 1000, info)  # a forward only: no gradient
-            parking = [torch.full((u.grads.layout.shard_numel,), float("nan")) for u in units_in(parked)]
+            parking = [torch.full((u.grads.layout.shard_numel,), float("nan"), dtype=u.param_group.dtypes.reduce)
+                       for u in units_in(parked)]
         _parked_backward(parked, step, info, parking)
         local_loss(direct, step, info).backward()
         for (name, p), q in zip(parked.named_parameters(), direct.parameters()):

@@ -76,3 +76,15 @@ def test_a_valid_request_on_cpu_says_that_graphs_need_cuda():
     assert all("forward" not in block.__dict__ for block in model.blocks)  # nothing installed
     assert all(len(block._forward_pre_hooks) for block in model.blocks)  # FSDP's hooks still on
 
+
+
+def test_graphing_while_gradients_accumulate_without_sync_is_refused():
+    """Under no_sync the capture would record no reduce-scatter, and every replay would add whatever
+    the parking buffer holds into ``.grad``."""
+    model = shard(TinyLM())
+    with model.no_sync():
+        with pytest.raises(ValueError, match=r"accumulates gradients without synchronising.*outside no_sync"):
+            fsdp_graph.graph_segments(list(model.blocks), _samples(model), segment_size=2)
+    model.set_requires_gradient_sync(False)
+    with pytest.raises(ValueError, match=r"accumulates gradients without synchronising"):
+        fsdp_graph.graph_segments(list(model.blocks), _samples(model), segment_size=2)

@@ -122,14 +122,17 @@ def test_graph_segments_in_a_hand_written_loop_keeps_gradients_as_eager():
 def _gradient_settings_loop(info, segmented: bool):
     """After graphing, what a user may do to the gradients, each taking effect as eagerly: a divide
     factor set on block 0 (step 5), a post-accumulate-grad hook on a parameter of block 1 (it sees
-    each reduced gradient), a ``.grad`` of block 2 replaced by the user's own tensor and accumulated
-    into (step 7, without zero_grad). Segmented, the blocks' sharded gradients are given back by
-    ``zero_grad()`` before the next forward, as eagerly (they are not pinned)."""
+    each reduced gradient) and one on every block (the order they run in), a ``.grad`` of block 2
+    replaced by the user's own tensor and accumulated into (step 7, without zero_grad). Segmented,
+    the blocks' sharded gradients are given back by ``zero_grad()`` before the next forward, as
+    eagerly (they are not pinned)."""
     model = _build(info, oversized_block=False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    seen = []
+    seen, order = [], []
     hooked = units_in(model.blocks[1])[0].params[0].master
     hooked.register_post_accumulate_grad_hook(lambda p: seen.append(local_tensor(p.grad).clone()))
+    for i, block in enumerate(model.blocks):  # (the order the hooks run in: last block first, as eager reduces)
+        units_in(block)[0].params[-1].master.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
     replaced = units_in(model.blocks[2])[0].params[1].master
     units = [units_in(b)[0] for b in model.blocks]
     losses = []
@@ -150,7 +153,7 @@ def _gradient_settings_loop(info, segmented: bool):
             opt.zero_grad()
         losses.append(loss.detach())
     assert len(seen) == STEPS
-    return torch.stack(losses), fsdp_graph.full_state_dict(model), torch.stack(seen)
+    return torch.stack(losses), fsdp_graph.full_state_dict(model), torch.stack(seen), order
 
 
 def _gradient_settings_match_eager(info) -> None:
@@ -159,6 +162,7 @@ def _gradient_settings_match_eager(info) -> None:
     got = _gradient_settings_loop(info, True)
     _compare("gradient settings changed after graphing", got[:2], eager[:2])
     assert torch.equal(got[2], eager[2]), "the post-accumulate-grad hook saw other gradients than eagerly"
+    assert got[3] == eager[3], f"hooks ran in another order than eagerly: {got[3][:8]} vs {eager[3][:8]}"
 
 
 def test_gradient_settings_changed_after_graphing_take_effect_as_eagerly():

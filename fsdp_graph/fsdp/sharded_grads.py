@@ -144,7 +144,8 @@ class ShardedGrads:
         backward): run once the master's ``.grad`` holds the reduced gradient, as FSDP2 runs them
         (autograd never accumulates into a master, so it would never call them). On GPU they run
         on the reduce stream, after the reduce (those of a parameter this rank gave no gradient: at the end
-        of the backward, on the compute stream, ``unused_params.py``). A whole-step graph cannot replay
+        of the backward, on the compute stream, ``unused_params.py``; after a segment graph's replay: on the
+        stream it replayed on, ``UnitGradients.accumulate_parked``). A whole-step graph cannot replay
         Python: refused."""
         for master in masters:
             hooks = master._post_accumulate_grad_hooks

@@ -220,8 +220,9 @@ class GraphedSegment:
 
     def accumulate_parked(self) -> None:
         """After the backward replay, on the stream the replay joined: each unit's parked shard into
-        its masters' ``.grad`` (the next segment's replay writes the buffer only after this)."""
-        for unit, parked in zip(self.units, self.parked):
+        its masters' ``.grad``, last unit first as eager reduces them (post-accumulate-grad hooks run in
+        that order); the next segment's replay waits on this stream before it writes the buffer."""
+        for unit, parked in zip(reversed(self.units), reversed(self.parked)):
             unit.grads.accumulate_parked(parked)
 
     def copy_grad_outputs(self, grads: tuple) -> None:
@@ -280,6 +281,6 @@ class _SegmentReplay(torch.autograd.Function):
         segment.streams.wait_for_all()
         segment.copy_grad_outputs(grads)
         launch(segment.bwd_graph, ctx.target)
-        segment.claim_slots(segment.claims_backward)
         segment.accumulate_parked()
+        segment.claim_slots(segment.claims_backward)
         return (None, None, *segment.static_grad_inputs)

@@ -108,6 +108,12 @@ def _unit_of_block(module: nn.Module, name: str) -> FSDPUnit:
         raise ValueError(
             f"graph_segments: FSDP unit {unit.name} is in {unit.state.value}; graph between training steps."
         )
+    if not unit.requires_gradient_sync or unit.grads.accumulation_pending:
+        raise ValueError(
+            f"graph_segments: FSDP unit {unit.name} accumulates gradients without synchronising (no_sync or "
+            "set_requires_gradient_sync(False)); the capture would record no reduce-scatter. Graph after a "
+            "synchronised backward, outside no_sync."
+        )
     if not unit.reshard_after_backward:
         raise ValueError(
             f"graph_segments: FSDP unit {unit.name} keeps its parameters gathered after backward "
