@@ -32,6 +32,12 @@ def test_segment_size_is_checked_and_belongs_to_layer_graphs():
         validate_graph_config(GraphConfig(strategy="layer", forward_only="layer", segment_size=2), model)
 
 
+def test_chained_inputs_need_one_list_of_pairs_per_module():
+    model = shard(TinyLM())
+    with pytest.raises(ValueError, match=r"chained_inputs needs one list of pairs per module \(record_sample_args"):
+        fsdp_graph.graph_segments(list(model.blocks), _samples(model), segment_size=2, chained_inputs=[[]])
+
+
 def test_modules_that_are_not_fsdp_units_of_their_own_are_refused():
     model = shard(TinyLM())
     with pytest.raises(ValueError, match=r"is not an FSDP unit of its own.*fully_shard\(block\) on every block"):

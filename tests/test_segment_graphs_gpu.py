@@ -14,7 +14,9 @@ Then the refusals a user can meet, each naming the fix: at replay (another input
 ``requires_grad``, autocast, frozen parameters, other arguments for a later block, a reentrant
 checkpoint's recompute, an eager block holding its parameters unsharded in a slot the segment
 writes, ``no_sync``, a skipped block, a pending backward, a gradient for a block's output inside
-a segment) and while graphing (a sample without gradient, blocks of two models, a block returning
+a segment; for chained segments, another tensor where the previous segment's output is read in
+place, and a forward of the previous segment while the chained one's backward is pending) and
+while graphing (a sample without gradient, blocks of two models, a block returning
 a tuple, a block whose input gets no gradient). Runs on two GPUs (NCCL) where there are two, else
 on one.
 """
@@ -30,6 +32,7 @@ import fsdp_graph
 from fsdp_graph import GraphConfig, hf
 from fsdp_graph.fsdp.capture_interface import local_tensor
 from fsdp_graph.fsdp.registry import units_in
+from fsdp_graph.graphs.module_graphs import record_sample_args
 
 from dist_harness import run_ranks
 from test_graph_parity_gpu import CFG, _batch, _build
@@ -54,10 +57,21 @@ def _train_step(info, segment_size: int | None, oversized_block: bool = False):
         segments = {id(b.forward.segment): b.forward.segment for b in model.blocks}.values()
         assert len(segments) == -(-CFG.n_layers // segment_size)
         assert all(s.replays == STEPS for s in segments), [s.replays for s in segments]  # no silent eager
+        _assert_chained(list(segments))
     model.eval()
     with torch.no_grad():
         logits = model(_batch(STEPS, info)[0])
     return losses, fsdp_graph.full_state_dict(model), logits
+
+
+def _assert_chained(segments: list) -> None:
+    """make_train_step chains the segments (chain_static_buffers=True by default): each later segment
+    reads its input where the previous one writes its output, and the previous one its output
+    gradient where this one's backward writes its input's; no static copy of either."""
+    for previous, segment in zip(segments, segments[1:]):
+        assert segment.chain_source is previous and previous.chained_reader is segment
+        assert segment.static_inputs[0].data_ptr() == previous.static_outputs[-1].data_ptr()
+        assert previous.static_grad_outputs[0].data_ptr() == segment.static_grad_inputs[0].data_ptr()
 
 
 def _compare(what: str, got, eager) -> None:
@@ -205,10 +219,14 @@ def test_an_hf_model_trains_bitwise_as_eager_under_segment_graphs():
     run_ranks(_hf_matches_eager, _ranks())
 
 
-def _segmented(info, model=None):
+def _segmented(info, model=None, chained: bool = False):
     model = model or _build(info, oversized_block=False)
     sample = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16, requires_grad=True)
-    fsdp_graph.graph_segments(list(model.blocks), [(sample,)] * CFG.n_layers, segment_size=2, num_warmup_iters=1)
+    links = None
+    if chained:  # (as make_train_step finds them: from an example forward)
+        links = record_sample_args(list(model.blocks), lambda: model(*_batch(0, info))).links
+    fsdp_graph.graph_segments(list(model.blocks), [(sample,)] * CFG.n_layers, segment_size=2, num_warmup_iters=1,
+                              chained_inputs=links)
     return model
 
 
@@ -303,6 +321,28 @@ def _replay_refusals(info) -> None:
     model.blocks[0].unshard()
     with pytest.raises(RuntimeError, match="holds its parameters unsharded .* Call its reshard\\(\\)"):
         model.blocks[2](model.blocks[1](x))
+    _chain_refusals(info, x)
+
+
+def _chain_refusals(info, x: torch.Tensor) -> None:
+    """Chained segments: the second one reads its input where the first writes its output."""
+    model = _segmented(info, chained=True)
+    first, second = model.blocks[0].forward.segment, model.blocks[2].forward.segment
+    assert second.chain_source is first
+    out = model.blocks[1](model.blocks[0](x))
+    with pytest.raises(RuntimeError, match="segment modules 2..3: its input .* is read where .* writes its output.*"
+                                           "chain_static_buffers=False"):
+        model.blocks[2]((out.detach() * 2.0).requires_grad_())  # (a copy would overwrite the first one's output)
+    # The second segment's backward pending, the first one's autograd graph let go (its output detached):
+    # the first segment's forward would overwrite the output the second reads.
+    hidden = out.detach().requires_grad_()
+    del out
+    loss = model.blocks[3](model.blocks[2](hidden)).float().sum()
+    with pytest.raises(RuntimeError, match="segment modules 0..1: its forward would overwrite its output.*"
+                                           "segment modules 2..3 reads in place.*backward first"):
+        model.blocks[0](x)
+    loss.backward()
+    model.blocks[1](model.blocks[0](x))  # (now it may)
 
 
 def _graphing_refusals(info) -> None:

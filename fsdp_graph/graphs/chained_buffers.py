@@ -18,6 +18,11 @@ would leave no trace to check), and so is a forward replay of the previous graph
 graph's backward, which reads that output, is pending. A model whose code between the blocks
 changes from call to call captures with ``GraphConfig(chain_static_buffers=False)``
 (``graph_modules(chained_inputs=None)``).
+
+Segment graphs (``graph_segments``) chain the same way at their boundaries: a segment's first
+input is read where the previous segment's last block wrote its output, and that output's gradient
+where the segment's backward wrote its input's (inside a segment, each block already feeds the
+next within the graph).
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def _in_place(after: torch.Tensor, before: torch.Tensor) -> bool:
                                and after.stride() == before.stride() and after.dtype == before.dtype)
 
 
-CHAIN_FIX = "GraphConfig(chain_static_buffers=False), or graph_modules(..., chained_inputs=None)"
+CHAIN_FIX = "GraphConfig(chain_static_buffers=False), or graph_modules / graph_segments(..., chained_inputs=None)"
 
 
 def overwrite_refused(consumer: str, input_name: str, producer: str) -> str:

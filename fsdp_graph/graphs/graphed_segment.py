@@ -18,7 +18,10 @@ does around them, and why:
   same staging and slots, and the graph's own side-stream branches wait only on the caller's stream;
 * afterwards the slots the graph wrote are marked as its units' (``claim_slots``), so a unit that
   believed its data was still in one gathers again;
-* before the backward: ``no_sync`` is refused (the graph reduces at every backward).
+* before the backward: ``no_sync`` is refused (the graph reduces at every backward);
+* chained segments (``chained_buffers.py``): a segment whose first input is read where the
+  previous segment wrote its output refuses another tensor there (a copy would overwrite that
+  output), and the previous segment refuses a forward while this one's backward is pending.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ..fsdp.capture_interface import FSDPUnit, ShardState, run_as_forward
+from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
 from .graphed_callable import CaptureGroup, autocast_state, describe_signature, start_backward
 from .replay_stream import launch, whole_target
@@ -79,6 +83,11 @@ class GraphedSegment:
         self._output_versions: list[int] = []
         self._complete = False  # every block of this forward's segment was called (its backward covers them all)
         self._grad_zero = False  # the static gradient of the last output is known to hold zeros
+        # Chained boundaries (set by the capture): the segment whose last output this one's first input
+        # aliases, and the one whose first input aliases this one's last output (and whose backward writes
+        # the gradient this one's backward reads).
+        self.chain_source: GraphedSegment | None = None
+        self.chained_reader: GraphedSegment | None = None
 
     def finish_capture(self) -> None:
         self._tensor_positions = [i for i, x in enumerate(self.input_leaves) if isinstance(x, torch.Tensor)]
@@ -137,6 +146,8 @@ class GraphedSegment:
         self._outputs = self._rest = None  # (a forward that stopped early: its outputs no longer held here)
         tensors = self._live_inputs(args, kwargs)
         self._check_trainable()
+        if self.chain_source is not None or self.chained_reader is not None:
+            self._check_chain(tensors[0])
         if self._pending is not None and self._pending() is not None:
             raise RuntimeError(
                 f"segment {self.name}: forward called again while the previous forward's backward is still pending; "
@@ -180,6 +191,19 @@ class GraphedSegment:
                     "shape, or leave these blocks eager."
                 )
         return tensors
+
+    def _check_chain(self, hidden: torch.Tensor) -> None:
+        """The first input, where chained, must be the previous segment's output in place (no copy over
+        it); this forward must not overwrite the output the next segment reads while its backward is
+        pending."""
+        reader = self.chained_reader
+        if reader is not None and reader.backward_pending():
+            raise RuntimeError(forward_refused(f"segment {self.name}", f"segment {reader.name}"))
+        static = self.static_inputs[0]
+        if self.chain_source is not None and (hidden.data_ptr() != static.data_ptr()
+                                              or hidden.stride() != static.stride()):
+            raise RuntimeError(overwrite_refused(f"segment {self.name}", self.input_names[0],
+                                                 f"segment {self.chain_source.name}"))
 
     def _check_trainable(self) -> None:
         for unit, flags in zip(self.units, self.trainable):
@@ -241,7 +265,7 @@ class GraphedSegment:
         if grad is None:
             if not self._grad_zero:
                 static.zero_()
-                self._grad_zero = True
+                self._grad_zero = self.chained_reader is None  # (chained: the reader's backward writes it)
         elif grad.data_ptr() != static.data_ptr():
             static.copy_(grad)
             self._grad_zero = False

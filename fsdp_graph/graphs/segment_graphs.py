@@ -19,6 +19,10 @@ For every segment (``segment_size`` consecutive modules of ``modules``, in execu
 4. Capture, as the whole step captures (``whole_graph.py``): the hooks run during the capture, so
    the all-gathers and reduce-scatters are recorded on FSDP's side streams, which join the capture
    stream at the end of each graph. Forwards in order, backwards in reverse, into one memory pool.
+   Where ``chained_inputs`` says a segment's first block received the previous block's output
+   itself, the segment reads it where the previous segment's graph writes it, and the previous
+   segment reads its output gradient where this one's backward writes its input's
+   (``chained_buffers.py``): no static copy of either.
 5. Install: the units' hooks come off their modules for good, each module's ``forward`` becomes
    its place in the segment (``graphed_segment.py``), and nothing outside a segment prefetches
    its units any more.
@@ -47,6 +51,7 @@ from ..fsdp.capture_interface import (
 )
 from .activation_offload import refuse_offloaded
 from .capture import argument_names, require_cuda, static_copy
+from .chained_buffers import Links, alias_if_fits
 from .frozen_arguments import same
 from .graphed_callable import CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .graphed_segment import GraphedSegment
@@ -149,6 +154,7 @@ def graph_segments(
     num_warmup_iters: int = 3,
     pool=None,
     replay_stream: torch.cuda.Stream | None = None,
+    chained_inputs: Links | None = None,
 ) -> list[GraphedSegment]:
     """Graph ``modules`` (FSDP blocks, in the order the model calls them, e.g. ``list(model.blocks)``)
     ``segment_size`` at a time, each segment as one forward and one backward graph with its FSDP
@@ -160,6 +166,11 @@ def graph_segments(
     The model's code stays as it is (``x = block(x)``); the blocks of a segment must run one after
     another, each on the previous one's output. Segments replay on the current stream, or on
     ``replay_stream`` (``replay_on`` overrides it per call), joined at their end.
+
+    ``chained_inputs``: ``record_sample_args(modules, run).links``, as for ``graph_modules``. Where
+    a segment's first block received the previous block's output itself, the two segments share
+    that buffer and its gradient's (``chained_buffers.py``), and a call passing another tensor there
+    is refused; ``make_train_step`` passes them unless ``GraphConfig(chain_static_buffers=False)``.
     """
     if not isinstance(segment_size, int) or isinstance(segment_size, bool) or segment_size < 1:
         raise ValueError(f"graph_segments: segment_size must be an int >= 1, got {segment_size!r}")
@@ -174,6 +185,11 @@ def graph_segments(
         raise ValueError(
             f"graph_segments: {len(modules)} modules, {len(sample_args)} sample_args and {len(kwargs_list)} "
             "sample_kwargs; pass one of each per module"
+        )
+    if chained_inputs is not None and len(chained_inputs) != len(modules):
+        raise ValueError(
+            "graph_segments: chained_inputs needs one list of pairs per module (record_sample_args(...).links); "
+            f"got {len(chained_inputs)} for {len(modules)} modules."
         )
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("graph_segments: a module appears twice; list each block once, in execution order")
@@ -202,7 +218,8 @@ def graph_segments(
         segment.replay_default = default
         _set_sample(segment, tuple(sample_args[start]), dict(kwargs_list[start] or {}))
         segments.append(segment)
-    _capture(segments, contexts, num_warmup_iters, pool)
+    chained = [bool(start) and chained_inputs is not None and (0, 0) in chained_inputs[start] for start, _ in ranges]
+    _capture(segments, chained, contexts, num_warmup_iters, pool)
     for segment in segments:
         _install(segment)
     return segments
@@ -357,15 +374,34 @@ def _parking(units: list[FSDPUnit], parked: list[torch.Tensor]):
             unit.grads.parking = None
 
 
-def _capture(segments: list[GraphedSegment], contexts: list, num_warmup_iters: int, pool) -> None:
+def _capture(segments: list[GraphedSegment], chained: list[bool], contexts: list, num_warmup_iters: int,
+             pool) -> None:
     _park(segments)
     units = [u for s in segments for u in s.units]
     with _parking(units, [b for s in segments for b in s.parked]):
-        _warm_up_and_capture(segments, units, contexts, num_warmup_iters, pool)
+        _warm_up_and_capture(segments, chained, units, contexts, num_warmup_iters, pool)
 
 
-def _warm_up_and_capture(segments: list[GraphedSegment], units: list[FSDPUnit], contexts: list,
-                         num_warmup_iters: int, pool) -> None:
+def _chain_input(segment: GraphedSegment, previous: GraphedSegment, output: torch.Tensor) -> None:
+    """Before ``segment``'s forward capture: its first input becomes a leaf on ``previous``'s captured
+    last output (its static copy is dropped), where the layouts agree."""
+    alias = alias_if_fits(segment.input_leaves[0], segment.input_leaves[0], output)
+    if alias is not None:
+        segment.input_leaves[0] = alias
+        segment.chain_source, previous.chained_reader = previous, segment
+
+
+def _chain_gradient(segment: GraphedSegment, output: torch.Tensor) -> None:
+    """Before ``segment``'s backward capture: it reads its last output's gradient where the reader's
+    backward graph (captured already) writes its input's gradient."""
+    reader = segment.chained_reader
+    grad = None if reader is None else reader.static_grad_inputs[0]
+    if grad is not None and (grad.shape, grad.dtype, grad.stride()) == (output.shape, output.dtype, output.stride()):
+        segment.static_grad_outputs = [grad]
+
+
+def _warm_up_and_capture(segments: list[GraphedSegment], chained: list[bool], units: list[FSDPUnit],
+                         contexts: list, num_warmup_iters: int, pool) -> None:
     torch.cuda.synchronize()
     stream = torch.cuda.Stream(segments[0].device)
     where = f"graph_segments ({len(segments)} segments)"
@@ -394,13 +430,16 @@ def _warm_up_and_capture(segments: list[GraphedSegment], units: list[FSDPUnit], 
                 _refuse_unused(units)
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
         captured = []
-        for segment in segments:
+        for i, segment in enumerate(segments):
+            if chained[i]:
+                _chain_input(segment, segments[i - 1], captured[-1][-1])
             segment.fwd_graph, outputs = capture_whole(
                 f"graph_segments: forward of segment {segment.name}", lambda s=segment: _run_forward(s), contexts,
                 stream, pool)
             captured.append(outputs)
             segment.claims_forward = _claims(segment.units)
         for segment, outputs in zip(reversed(segments), reversed(captured)):
+            _chain_gradient(segment, outputs[-1])
             segment.bwd_graph, segment.static_grad_inputs = capture_whole(
                 f"graph_segments: backward of segment {segment.name}", lambda s=segment, o=outputs: _run_backward(s, o),
                 contexts, stream, pool)

@@ -13,11 +13,11 @@ Independent settings (after Megatron's split):
 * ``segment_size``, for ``"layer"``: k > 1 graphs k consecutive blocks (FSDP units) per graph
   with their FSDP steps inside (``graph_segments``), for blocks too small to hide the host's
   work per layer; 1 (the default) graphs each module on its own;
-* ``chain_static_buffers``, for ``"layer"`` with one module per graph: where the example forward
-  passes a graphed block's output straight to the next one, the two share one static buffer, and
-  so do their gradients (``chained_buffers.py``); a call that passes the next block another tensor
-  is refused (a copy would overwrite the previous output). True by default; False for a model whose
-  code between the blocks changes from call to call;
+* ``chain_static_buffers``, for ``"layer"``: where the example forward passes a graphed block's
+  output straight to the next one (the next segment's first block, with ``segment_size``), the two
+  graphs share one static buffer, and so do their gradients (``chained_buffers.py``); a call that
+  passes the next block another tensor is refused (a copy would overwrite the previous output).
+  True by default; False for a model whose code between the blocks changes from call to call;
 * ``optimizer_graph``, for ``"layer"``: the clipping and the optimizer step replayed as CUDA graphs
   of their own (``graph_optimizer_step``); ``"full_iteration"`` has them inside its graph already;
 * ``offload_activations``, for training under any strategy: the modules whose saved activations

@@ -100,16 +100,16 @@ def _offload(body: TrainStep, model: nn.Module, config: GraphConfig) -> None:
                                            min_bytes=config.offload_min_bytes)
 
 
-def _graph_layers(config: GraphConfig, modules: list, samples: list) -> None:
+def _graph_layers(config: GraphConfig, modules: list, samples: SampleCalls) -> None:
+    chained = samples.links if config.chain_static_buffers else None
     if config.segment_size > 1:
         graph_segments(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
                        segment_size=config.segment_size, num_warmup_iters=config.num_warmup_iters,
-                       replay_stream=config.replay_stream)
+                       replay_stream=config.replay_stream, chained_inputs=chained)
     else:
         graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
                       num_warmup_iters=config.num_warmup_iters, collective_graphs=config.collective_graphs,
-                      replay_stream=config.replay_stream,
-                      chained_inputs=samples.links if config.chain_static_buffers else None)
+                      replay_stream=config.replay_stream, chained_inputs=chained)
 
 
 def make_eval_step(model: nn.Module, *, config: GraphConfig | None = None, example_args: tuple | None = None):

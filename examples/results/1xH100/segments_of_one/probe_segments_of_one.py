@@ -1,6 +1,7 @@
 """Probe (not committed): segment graphs of ONE block each (FSDP steps inside every block's graph),
 measured as ours_segment_graphs when SEG_K is set (benchmark run with --segment-size 2 to take the
-segments path, then the segment size replaced by SEG_K)."""
+segments path, then the segment size replaced by SEG_K). Since 2026-11-24 (later session) the segments
+are chained as make_train_step chains them (chain_static_buffers=True by default)."""
 import os
 import sys
 
@@ -16,7 +17,8 @@ def patched(config, modules, samples):
     if K and config.segment_size > 1:
         graph_segments(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
                        segment_size=K, num_warmup_iters=config.num_warmup_iters,
-                       replay_stream=config.replay_stream)
+                       replay_stream=config.replay_stream,
+                       chained_inputs=samples.links if config.chain_static_buffers else None)
     else:
         original(config, modules, samples)
 
