@@ -158,7 +158,8 @@ def _gradient_settings_loop(info, segmented: bool):
             model.blocks[0].set_gradient_divide_factor(2.0)
         loss = model(*_batch(i, info))[1]
         if segmented and i > 3 and i != 8:  # (step 7 kept its gradients for step 8 to add into)
-            assert not any(u.grads.sharded.live for u in units), f"step {i}: sharded gradients kept over zero_grad"
+            # (given back, or at their home in the segments' pool: grad_homes.py)
+            assert not any(u.grads.sharded.owns_memory for u in units), f"step {i}: gradients kept over zero_grad"
         loss.backward()
         opt.step()
         if i == 7:

@@ -25,6 +25,9 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
   ``segmented`` (no prefetch from outside), ``param_group`` (its slot, ``evict``; its
   ``dtypes.reduce``), ``grads.parking`` (where a captured reduce leaves the summed shard) and
   ``grads.accumulate_parked`` (which adds it into ``.grad`` after the replay, as eagerly);
+* gradient homes (``GradHomes``, ``grads.sharded.set_home``; ``grad_homes.py``): segment graphs
+  take each unit's sharded gradient buffer from their pool, and vacate the homes before every
+  forward replay;
 * ``local_tensor``: this rank's piece of a master or of its ``.grad`` (the address a graph reads);
 * per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
   ``grads.pin_sharded()``, ``grads.expose_sharded(unused)``, ``grads.use.unused`` (the parameters
@@ -38,6 +41,7 @@ from __future__ import annotations
 from .collective_graphs import CollectiveGraphs, GraphPool
 from .collectives import note_replay_tail, wait_for_replay_tails
 from .communicator_graphs import hold as release_before_destroy
+from .grad_homes import GradHomes
 from .hooks import (
     BACKWARD_PRE_SENTINEL,
     BACKWARD_SENTINEL,
@@ -64,6 +68,7 @@ __all__ = [
     "BACKWARD_PRE_SENTINEL",
     "BACKWARD_SENTINEL",
     "FSDPUnit",
+    "GradHomes",
     "RootContext",
     "ShardState",
     "TrainingState",

@@ -15,6 +15,11 @@ ones made at the next reduce, so no tensor a user holds ever changes under them.
 A whole-step graph writes the gradients at fixed addresses: ``pin()`` keeps the memory for good,
 and ``.grad`` is pointed back at it after each replay.
 
+Under segment graphs the buffer may have a home in the graphs' pool
+(``grad_homes.py``): memory the pool's activations use only between the next forward and this
+unit's backward. While every ``.grad`` is None the reduce writes there; values still held when a
+graph replays a forward move out first (``leave_home_if_held``).
+
 Each ``.grad`` is the master's kind: a ``Shard(0)`` DTensor made with the master's spec, or the
 plain local view without a mesh.
 """
@@ -44,11 +49,19 @@ class ShardedGrads:
         self.local_views: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []  # the masters' ``.grad`` while they are ours
         self._own_holders: tuple | None = None  # who holds the buffer and its views when only we do
+        self.home: torch.Tensor | None = None  # memory in a graph pool (grad_homes.py), or None
+        self.homes = None  # the GradHomes of that pool
+        self._at_home = False  # the buffer's storage is the home's
 
     @property
     def live(self) -> bool:
         """The buffer has its memory (read from the storage itself: nothing to keep in step)."""
         return self.flat is not None and self.flat.untyped_storage().nbytes() > 0
+
+    @property
+    def owns_memory(self) -> bool:
+        """The buffer holds memory of its own: live and not at a home in a graph pool."""
+        return self.live and not self._at_home
 
     def take(self, zeros: bool, writer_stream=None) -> None:
         """Before a reduce writes the gradients: memory for the buffer (``zeros``: zero-filled, else
@@ -56,6 +69,9 @@ class ShardedGrads:
         our views still holds the buffer (a ``.grad`` kept across ``zero_grad``, called after the
         forward), that holder keeps it and a new buffer is made. ``writer_stream``: a side stream that
         writes the buffer; its memory is not reused before that stream's queued work is done."""
+        if self.home is not None and self._homed():  # (zeros asks for zeros only where .grad is set: its values
+            self.homes.written = True                # are there already, the next forward not having run)
+            return
         if self.live:
             if self.pinned or any(p.master.grad is not None for p in self.params) or self._only_ours():
                 return
@@ -70,6 +86,68 @@ class ShardedGrads:
         if writer_stream is not None:
             self.flat.record_stream(writer_stream)  # (a buffer given back after a failed backward, say)
 
+    def _homed(self) -> bool:
+        """Whether the reduce writes the home: always while no ``.grad`` is set (the buffer moves there,
+        a holder of the old one keeping it); with ``.grad`` set, only if the values are there."""
+        if any(p.master.grad is not None for p in self.params):
+            return self._at_home
+        if self._at_home:
+            if self._only_ours():
+                return True
+            self.leave_home_if_held("a reduce")  # (held since the last forward: it stays the holder's)
+        self._detach()
+        self._at_home = True
+        with torch.inference_mode(False):
+            self._adopt(self.home[:])
+        return True
+
+    def set_home(self, homes) -> bool:
+        """Take the home, with the allocator routed into a graph pool (``graphs/gradient_homes.py``).
+        Not for a pinned buffer, nor where torch cannot count who holds a storage."""
+        if self.home is not None or self.pinned or _storage_uses(self._like) is None:
+            return False
+        with torch.inference_mode(False):
+            self.home = torch.empty_like(self._like)
+        self.homes = homes
+        homes.members.append(self)
+        return True
+
+    def leave_home_if_held(self, what: str) -> None:
+        """Before ``what`` may write the home: values someone holds (a ``.grad`` set, a ``.grad`` object
+        kept) move to memory of their own, under the same tensor objects. A tensor made from them
+        (a slice, a view) would keep reading the home: refused."""
+        if not self._at_home or (all(p.master.grad is None for p in self.params) and self._only_ours()):
+            return
+        holders = self._holders()
+        if holders is None or holders[0] != self._own_holders[0]:
+            name = self.params[0].name if self.params else "?"
+            raise RuntimeError(
+                f"{what}: a tensor made from a sharded gradient of the FSDP unit that owns {name} (a slice or "
+                "view of .grad, or its to_local()) is still alive. Under segment graphs the sharded "
+                "gradients live in the graphs' memory pool, which the next forward writes, so that "
+                "tensor would change under you. Clone it (.clone()) to keep it past the optimizer step, or "
+                "drop it before the next forward."
+            )
+        with torch.inference_mode(False), torch.no_grad():
+            moved = torch.empty_like(self._like)
+            moved.copy_(self.flat)
+            for view, local in zip(self.local_views, self.layout.local_views(moved)):
+                view.data = local
+            self.flat.data = moved
+            del moved
+        self._at_home = False
+
+    def give_up_home(self) -> None:
+        """No home from now on (the gradients get pinned, or the graphs were not installed)."""
+        if self.home is None:
+            return
+        self.leave_home_if_held("pinning the sharded gradients")
+        if self._at_home:
+            self._detach()
+        if self in self.homes.members:
+            self.homes.members.remove(self)
+        self.home = self.homes = None
+
     def _regrow(self) -> None:
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
 
@@ -81,6 +159,7 @@ class ShardedGrads:
 
     def _detach(self) -> None:
         self.flat, self.local_views, self.views, self._own_holders = None, [], [], None
+        self._at_home = False
 
     def _holders(self) -> tuple | None:
         """References to the storage (tensors sharing it) and to each view object (a ``.grad`` the
@@ -89,7 +168,8 @@ class ShardedGrads:
         uses = _storage_uses(self.flat)
         if uses is None:
             return None
-        return uses, [sys.getrefcount(v) for v in self.views], [sys.getrefcount(v) for v in self.local_views]
+        return (uses - self._at_home,  # (the home tensor itself holds the storage too)
+                [sys.getrefcount(v) for v in self.views], [sys.getrefcount(v) for v in self.local_views])
 
     def _only_ours(self) -> bool:
         holders = self._holders()
@@ -161,8 +241,8 @@ class ShardedGrads:
 
     def release_if_dropped(self) -> None:
         """At the unit's next forward: give the memory back if every ``.grad`` was set to None."""
-        if not self.live or self.pinned or any(p.master.grad is not None for p in self.params):
-            return
+        if not self.live or self.pinned or self._at_home or any(p.master.grad is not None for p in self.params):
+            return  # (a home is the pool's memory: GradHomes.vacate moves what is held out of it)
         if self._only_ours():
             self.flat.untyped_storage().resize_(0)
         else:  # a tensor of the user's still reads this memory: leave it theirs
@@ -170,17 +250,19 @@ class ShardedGrads:
 
     def pin(self) -> None:
         """Keep the memory for good (a whole-step graph writes into it at every replay)."""
+        self.give_up_home()
         self.take(zeros=True)
         self.pinned = True
 
     def snapshot(self) -> tuple:
-        return self.flat, self.local_views, self.views, self._own_holders, self.flat.clone() if self.live else None
+        return (self.flat, self.local_views, self.views, self._own_holders, self._at_home,
+                self.flat.clone() if self.live else None)
 
     def restore(self, snapshot: tuple) -> None:
         """Back to the snapshot's buffer and values. Memory it holds stays where it is (a pinned
         buffer is captured in a graph); memory taken since the snapshot is given back at the next
         forward, as any other."""
-        self.flat, self.local_views, self.views, self._own_holders, values = snapshot
+        self.flat, self.local_views, self.views, self._own_holders, self._at_home, values = snapshot
         if values is not None:
             if not self.live:
                 self._regrow()  # the snapshot's own buffer again, whoever else holds it

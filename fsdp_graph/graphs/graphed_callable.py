@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from ..fsdp.capture_interface import GradHomes
 from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
 from .replay_stream import ReplayTarget, begin_call, check_target, chosen_target, launch
@@ -77,6 +78,7 @@ class CaptureGroup:
         # backwards of members captured between the reader and the prefetcher run (the prefetcher was
         # checked when it ran), and those were captured while the prefetched tensors were alive.
         self.prefetched_for: GraphedCallable | None = None
+        self.homes = GradHomes()  # units' sharded gradients homed in the pool (gradient_homes.py)
 
     def check_backward_order(self, runner: GraphedCallable) -> None:
         for later in self.members[runner.index + 1 :]:

@@ -155,6 +155,7 @@ class GraphedSegment:
                 "every reference to the previous output's autograd graph."
             )
         target = whole_target(self.replay_default, f"segment {self.name}", self.device)
+        self.group.homes.vacate(f"segment {self.name}")  # (the forward may write any home)
         outputs = _SegmentReplay.apply(self, target, *tensors)
         self._outputs = outputs
         self._rest = (args[1:], kwargs)

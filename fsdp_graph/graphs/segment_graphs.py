@@ -53,6 +53,7 @@ from .activation_offload import refuse_offloaded
 from .capture import argument_names, require_cuda, static_copy
 from .chained_buffers import Links, alias_if_fits
 from .frozen_arguments import same
+from .gradient_homes import home_gradients
 from .graphed_callable import CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .graphed_segment import GraphedSegment
 from .host_sync import no_host_sync
@@ -219,7 +220,11 @@ def graph_segments(
         _set_sample(segment, tuple(sample_args[start]), dict(kwargs_list[start] or {}))
         segments.append(segment)
     chained = [bool(start) and chained_inputs is not None and (0, 0) in chained_inputs[start] for start, _ in ranges]
-    _capture(segments, chained, contexts, num_warmup_iters, pool)
+    try:
+        _capture(segments, chained, contexts, num_warmup_iters, pool)
+    except BaseException:
+        group.homes.drop()
+        raise
     for segment in segments:
         _install(segment)
     return segments
@@ -428,6 +433,7 @@ def _warm_up_and_capture(segments: list[GraphedSegment], chained: list[bool], un
                 del passes
             if i == 0:
                 _refuse_unused(units)
+        own_pool = pool is None
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
         captured = []
         for i, segment in enumerate(segments):
@@ -443,6 +449,8 @@ def _warm_up_and_capture(segments: list[GraphedSegment], chained: list[bool], un
             segment.bwd_graph, segment.static_grad_inputs = capture_whole(
                 f"graph_segments: backward of segment {segment.name}", lambda s=segment, o=outputs: _run_backward(s, o),
                 contexts, stream, pool)
+            if own_pool:  # (its activations freed: the units' gradients from that memory, gradient_homes.py)
+                home_gradients(segment.units, segment.group.homes, pool, stream)
             segment.static_outputs = [o.detach() for o in outputs]
             segment.claims_backward = _claims(list(reversed(segment.units)))
         del captured

@@ -1,0 +1,106 @@
+"""The engine's half of gradient homes, on CPU: each unit's sharded gradient buffer given a home
+(``ShardedGrads.set_home``; under graphs, memory of the graphs' pool that the next forward
+overwrites: ``fsdp/grad_homes.py``). Here a home is plain memory, and the forward's overwrite is
+emulated: before every forward ``GradHomes.vacate`` runs, as a forward replay runs it, and then
+every home is filled with NaN. Training at two ranks must stay bitwise equal to the same model
+without homes, whatever the user does with ``.grad``: ``zero_grad()`` (the reduce writes the home),
+``zero_grad(set_to_none=False)`` and accumulation over two backwards (the values move out at the
+forward and stay out), ``.grad`` objects kept across the forward (they move with the values). A
+slice of a gradient kept across a forward cannot follow and is refused, naming the fix; pinning
+gives the home up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_graph.fsdp.capture_interface import GradHomes, units_in
+
+from dist_harness import run_ranks
+from models import build, local_loss, shard
+
+pytestmark = pytest.mark.cpu_only  # CPU and gloo: CI runs it; the graphs' half runs in the GPU suite
+
+
+def _homed(model) -> GradHomes:
+    homes = GradHomes()
+    for unit in units_in(model):
+        assert unit.grads.sharded.set_home(homes)
+    return homes
+
+
+def _before_forward(homes: GradHomes) -> None:
+    homes.vacate("a forward replay")
+    for grads in homes.members:
+        grads.home.fill_(float("nan"))  # what the forward's activations would do to it
+
+
+def _train(info, homed: bool, set_to_none: bool, accumulate: bool, keep_objects: bool):
+    model, _ = build(info.device, vocab=301, n_blocks=3)
+    shard(model)
+    homes = _homed(model) if homed else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept, values, losses = [], [], []
+    for step in range(4):
+        for micro in range(2 if accumulate else 1):
+            if homes is not None:
+                _before_forward(homes)
+            loss = local_loss(model, 2 * step + micro, info)
+            loss.backward()
+            losses.append(loss.detach())
+        for g, v in zip(kept, values):  # the step before's .grad objects, across this step's forward
+            assert torch.equal(_local(g), v), "a kept .grad object changed"
+        if keep_objects:
+            kept = [p.grad for p in model.parameters() if p.requires_grad]
+            values = [_local(g).clone() for g in kept]
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], homes
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _homes_train_as_without(info) -> None:
+    cases = {"zero_grad()": (True, False, False), "zero_grad(set_to_none=False)": (False, False, False),
+             "two backwards per step": (True, True, False), ".grad objects kept": (True, False, True)}
+    for what, (set_to_none, accumulate, keep) in cases.items():
+        losses, params, homes = _train(info, True, set_to_none, accumulate, keep)
+        ref_losses, ref_params, _ = _train(info, False, set_to_none, accumulate, keep)
+        assert torch.equal(losses, ref_losses), f"{what}: {losses.tolist()} vs {ref_losses.tolist()}"
+        for p, q in zip(params, ref_params):
+            assert torch.equal(_local(p), _local(q)), what
+        at_home = [g._at_home for g in homes.members]
+        if what == "zero_grad()":
+            assert all(at_home), "with .grad set to None the reduce writes the home"
+        elif what == "zero_grad(set_to_none=False)":
+            assert not any(at_home), "values kept across the forward move out, and stay out"
+
+
+def test_gradients_with_a_home_train_bitwise_as_without_whatever_the_user_does_with_grad():
+    run_ranks(_homes_train_as_without, 2)
+
+
+def _refusals(info) -> None:
+    model, _ = build(info.device, vocab=301, n_blocks=3)
+    shard(model)
+    homes = _homed(model)
+    _before_forward(homes)
+    local_loss(model, 0, info).backward()
+    block = next(iter(model.blocks[0].parameters()))
+    piece = block.grad.to_local()[:1]  # a tensor made from the gradient: it cannot follow a move
+    with pytest.raises(RuntimeError, match=r"a forward replay: a tensor made from a sharded gradient .* still "
+                                           r"alive.*Clone it \(\.clone\(\)\)"):
+        homes.vacate("a forward replay")
+    del piece
+    homes.written = True
+    homes.vacate("a forward replay")  # (now it moves: .grad is set)
+    unit = units_in(model.blocks[0])[0]
+    assert not unit.grads.sharded._at_home
+    unit.grads.pin_sharded()
+    assert unit.grads.sharded.home is None and unit.grads.sharded not in homes.members
+
+
+def test_a_slice_of_a_homed_gradient_kept_across_a_forward_is_refused_and_pinning_gives_the_home_up():
+    run_ranks(_refusals, 2)

@@ -1,0 +1,82 @@
+"""GPU: segment graphs take each block's sharded gradients from their memory pool.
+
+The memory is the graphs' own (the allocator's snapshot puts it in the graphs' pool), the
+gradients land there when ``.grad`` was set to None, and training stays bitwise equal to eager:
+``test_segment_graphs_gpu.py`` trains with homes (its hand-written loop keeps ``.grad`` with
+``zero_grad(set_to_none=False)``, so its values move out at the forward). Per-layer graphs keep
+their gradients outside the pool (``docs/performance.md`` says why). Here: a user's loop that
+keeps the ``.grad`` objects across the next forward reads the right values, and a slice of a
+gradient kept across a forward is refused, naming the fix. Design: ``fsdp/grad_homes.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp_graph
+from fsdp_graph import GraphConfig
+from fsdp_graph.fsdp.registry import units_in
+
+from dist_harness import run_ranks
+from test_graph_parity_gpu import CFG, _batch, _build
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _pool_of(address: int) -> tuple | None:
+    for segment in torch.cuda.memory_snapshot():
+        if segment["address"] <= address < segment["address"] + segment["total_size"]:
+            return tuple(segment.get("segment_pool_id", (0, 0)))
+    return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # (a plain tensor at one rank)
+
+
+def _homes(info, segment_size: int) -> None:
+    model = _build(info, oversized_block=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if segment_size == 1:
+        hidden = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16, requires_grad=True)
+        fsdp_graph.graph_segments(list(model.blocks), [(hidden,)] * CFG.n_layers, segment_size=1, num_warmup_iters=2)
+    else:
+        config = GraphConfig(strategy="layer", segment_size=segment_size, num_warmup_iters=2)
+        fsdp_graph.make_train_step(lambda idx, targets: model(idx, targets)[1], model, opt, config=config,
+                                   example_batch=_batch(0, info))
+    for i in range(3):
+        model(*_batch(i, info))[1].backward()
+        opt.step()
+        opt.zero_grad()
+    blocks = [units_in(block)[0] for block in model.blocks]
+    model(*_batch(3, info))[1].backward()  # (.grad None before it: the step's zero_grad)
+    pools = {_pool_of(u.grads.sharded.flat.data_ptr()) for u in blocks}
+    assert all(u.grads.sharded._at_home for u in blocks), "the reduces wrote the homes"
+    assert len(pools) == 1 and None not in pools and (0, 0) not in pools, f"not in one graph pool: {pools}"
+    # .grad objects kept across the next forward (as a user logging them would): their values follow.
+    kept = [p.grad for p in model.parameters() if p.grad is not None]
+    values = [_local(g).clone() for g in kept]
+    opt.zero_grad()
+    model(*_batch(4, info))[1].backward()
+    assert all(torch.equal(_local(g), v) for g, v in zip(kept, values)), "a kept .grad object changed"
+    del kept
+    # A slice of a gradient kept across a forward: refused (it would read the pool's activations).
+    piece = _local(next(model.blocks[0].parameters()).grad)[:1]
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"a tensor made from a sharded gradient .* still alive.*Clone it"):
+        model(*_batch(5, info))
+    del piece
+
+
+def _homes_in_both_strategies(info) -> None:
+    _homes(info, 1)  # (segments of one block, through graph_segments)
+    _homes(info, 2)
+    model = _build(info, oversized_block=False)  # per-layer graphs: no home
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    fsdp_graph.make_train_step(lambda idx, targets: model(idx, targets)[1], model, opt,
+                               config=GraphConfig(strategy="layer", num_warmup_iters=2), example_batch=_batch(0, info))
+    assert all(units_in(block)[0].grads.sharded.home is None for block in model.blocks)
+
+
+def test_block_gradients_live_in_the_graph_pool_and_what_the_user_keeps_is_kept():
+    run_ranks(_homes_in_both_strategies, min(2, torch.cuda.device_count()))
