@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_graph.fsdp.capture_interface import GradHomes, units_in
+from fsdp_graph.fsdp.capture_interface import GradHomes, root_contexts, units_in
 
 from dist_harness import run_ranks
 from models import build, local_loss, shard
@@ -98,6 +98,17 @@ def _refusals(info) -> None:
     homes.vacate("a forward replay")  # (now it moves: .grad is set)
     unit = units_in(model.blocks[0])[0]
     assert not unit.grads.sharded._at_home
+    # A vacate inside a bracket that restores the gradients afterwards (an eval step built between
+    # backward and the next forward): the restored state follows where the values now are.
+    model.zero_grad()
+    local_loss(model, 1, info).backward()
+    assert unit.grads.sharded._at_home
+    with root_contexts(model)[0].outside_training_step():
+        homes.vacate("a forward replay")
+    assert not unit.grads.sharded._at_home
+    _before_forward(homes)
+    local_loss(model, 2, info).backward()  # (adds into the moved values: .grad was kept)
+    homes.vacate("a forward replay")
     unit.grads.pin_sharded()
     assert unit.grads.sharded.home is None and unit.grads.sharded not in homes.members
 
