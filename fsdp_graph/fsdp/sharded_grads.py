@@ -101,10 +101,6 @@ class ShardedGrads:
             self._adopt(self.home[:])
         return True
 
-    def _on_home(self) -> bool:
-        return (self.home is not None and self.flat is not None
-                and self.flat.untyped_storage().data_ptr() == self.home.untyped_storage().data_ptr())
-
     def set_home(self, homes) -> bool:
         """Take the home, with the allocator routed into a graph pool (``graphs/gradient_homes.py``).
         Not for a pinned buffer, nor where torch cannot count who holds a storage."""
@@ -267,7 +263,8 @@ class ShardedGrads:
         buffer is captured in a graph); memory taken since the snapshot is given back at the next
         forward, as any other."""
         self.flat, self.local_views, self.views, self._own_holders, _, values = snapshot
-        self._at_home = self._on_home()  # (read from the storage: a vacate since may have moved the objects out)
+        self._at_home = self.home is not None and self.flat is not None and (  # (from the storage: a vacate
+            self.flat.untyped_storage().data_ptr() == self.home.untyped_storage().data_ptr())  # may have moved it)
         if values is not None:
             if not self.live:
                 self._regrow()  # the snapshot's own buffer again, whoever else holds it
