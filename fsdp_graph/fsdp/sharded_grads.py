@@ -255,14 +255,13 @@ class ShardedGrads:
         self.pinned = True
 
     def snapshot(self) -> tuple:
-        return (self.flat, self.local_views, self.views, self._own_holders, self._at_home,
-                self.flat.clone() if self.live else None)
+        return self.flat, self.local_views, self.views, self._own_holders, self.flat.clone() if self.live else None
 
     def restore(self, snapshot: tuple) -> None:
         """Back to the snapshot's buffer and values. Memory it holds stays where it is (a pinned
         buffer is captured in a graph); memory taken since the snapshot is given back at the next
         forward, as any other."""
-        self.flat, self.local_views, self.views, self._own_holders, _, values = snapshot
+        self.flat, self.local_views, self.views, self._own_holders, values = snapshot
         self._at_home = self.home is not None and self.flat is not None and (  # (from the storage: a vacate
             self.flat.untyped_storage().data_ptr() == self.home.untyped_storage().data_ptr())  # may have moved it)
         if values is not None:
