@@ -32,7 +32,8 @@ def _homed(model) -> GradHomes:
 def _before_forward(homes: GradHomes) -> None:
     homes.vacate("a forward replay")
     for grads in homes.members:
-        grads.home.fill_(float("nan"))  # what the forward's activations would do to it
+        for piece in grads.home:
+            piece.fill_(float("nan"))  # what the forward's activations would do to it
 
 
 def _train(info, homed: bool, set_to_none: bool, accumulate: bool, keep_objects: bool):

@@ -102,7 +102,7 @@ def _train(info, selection: str | None, oversized_block: bool, graph_at_step: in
                 part.backward()
             loss = loss + part.detach()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=variant != "grads_kept")
         losses.append(loss)
     forwards = micro_batches * (STEPS - graph_at_step)
     assert all(g.replays == forwards for g in graphed), [g.replays for g in graphed]  # no silent eager
@@ -154,6 +154,7 @@ def _eager_and_graphed_agree(info, selection: str, oversized_block: bool, graph_
         ("blocks", False, 0, (2, 1), True, None),  # HSDP: replicated across the two GPUs, all-reduced
         ("blocks", False, 0, None, True, "accumulate"),  # no_sync: the reduce reads the accumulation buffer
         ("blocks", False, 0, None, True, "reload"),  # a state dict loaded into the masters after the capture
+        ("blocks", False, 0, None, True, "grads_kept"),  # zero_grad(set_to_none=False): out of the pool's homes
     ],
 )
 def test_graphed_training_is_bitwise_equal_to_eager(selection, oversized_block, graph_at_step, mesh_shape,

@@ -25,9 +25,9 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
   ``segmented`` (no prefetch from outside), ``param_group`` (its slot, ``evict``; its
   ``dtypes.reduce``), ``grads.parking`` (where a captured reduce leaves the summed shard) and
   ``grads.accumulate_parked`` (which adds it into ``.grad`` after the replay, as eagerly);
-* gradient homes (``GradHomes``, ``grads.sharded.set_home``; ``grad_homes.py``): segment graphs
-  take each unit's sharded gradient buffer from their pool, and vacate the homes before every
-  forward replay;
+* gradient homes (``GradHomes``, ``grads.sharded.set_home``; ``grad_homes.py``): per-layer and
+  segment graphs take each unit's sharded gradient buffer from their pool, and vacate the homes
+  before every forward replay;
 * ``local_tensor``: this rank's piece of a master or of its ``.grad`` (the address a graph reads);
 * per unit, for the whole-step graphs: ``requires_gradient_sync``, ``grads.clear()``,
   ``grads.pin_sharded()``, ``grads.expose_sharded(unused)``, ``grads.use.unused`` (the parameters

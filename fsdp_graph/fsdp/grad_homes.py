@@ -1,16 +1,15 @@
 """Sharded gradients homed in a graph pool: a unit's ``.grad`` memory inside its graphs' activation memory.
 
-With segment graphs the graphs' memory pool holds every block's activations for the whole step, so
-the sharded gradients, which the reduces make during the backward, add on top of it where eager
-FSDP frees activations as gradients appear (large GPT on 2 × H200: +2.5 GiB, the peak 1.14 ×
-FSDP2's; 1.06 × with homes). Per-layer graphs do not use homes: there a home carved after each
-block's backward capture fragmented the memory the next blocks' backward captures reuse, and the
-pool grew by as much as the homes (measured: ``docs/performance.md``).
+With per-layer and segment graphs the graphs' memory pool holds every block's activations for the
+whole step, so the sharded gradients, which the reduces make during the backward, add on top of it
+where eager FSDP frees activations as gradients appear (large GPT on 2 × H200: +2.5 GiB, the peak
+1.14 × FSDP2's; 1.06 × with homes, for segments).
 
 Yet a unit's gradients live from its reduce to the optimizer step, and the pool
 memory freed by the backwards captured before its reduce (the activations of the blocks after it,
 every forward's temporaries) is not written again before the next forward. So after capturing the
-backward of a unit's segment, the capture takes the unit's gradient buffer from the pool
+backward of a unit's graph (per layer: of its first module; a segment: the unit's segment), the
+capture takes the unit's gradient buffer from the pool
 (``ShardedGrads.set_home``): the allocator hands out exactly that freed memory, and no graph
 captured later gets it.
 
@@ -19,10 +18,17 @@ kept. Before a graph of the pool replays a forward, ``GradHomes.vacate`` moves v
 holds (a ``.grad`` not set to None, a ``.grad`` object kept) into memory of their own, the tensor
 objects staying the same; a tensor made from a gradient (a slice, a view) cannot follow and is
 refused, naming the fix. The optimizer graph pins the gradients at fixed addresses: ``pin`` gives
-the home up. Only a pool of the segments alone (``graph_segments(pool=None)``) gets homes.
+the home up. Only a pool of the graphs alone (``pool=None``; not with activation offload) gets homes.
+
+A home is one piece per parameter (its local rows), not one block for the whole unit: the blocks a
+backward capture frees are single activations, rarely as large as a unit's gradients, and a home
+that fits none of them takes new memory from the pool (per-layer graphs on medium: the pool grew by
+all of the homes, 1.15 GiB, with one block per unit; by nothing with one piece per parameter).
 """
 
 from __future__ import annotations
+
+import torch
 
 
 class GradHomes:
@@ -44,3 +50,46 @@ class GradHomes:
         for grads in list(self.members):
             grads.give_up_home()
         self.members.clear()
+
+
+class HomeRows:
+    """Writes a reduced shard into a home's pieces: per parameter the rows a (start, values) piece of
+    the shard covers, as one multi-tensor copy (and scale). The views are made once per source."""
+
+    def __init__(self, layout) -> None:
+        self.layout = layout
+        self._cached: tuple | None = None  # (key, destinations, sources); the pieces never move
+
+    def views_held(self) -> int:
+        """How many views of the pieces the writer keeps (they share the pieces' storage)."""
+        return 0 if self._cached is None else len(self._cached[1])
+
+    def write(self, pieces: list[torch.Tensor], start: int, values: torch.Tensor, scale: float, fresh: bool) -> None:
+        """``pieces (+)= values · scale`` where they overlap, in the kernels the whole buffer would run
+        (bitwise the same per element): fresh, a copy and a multiply (``torch.mul`` rounds as they do);
+        else an ``add_`` per parameter (a zeroed one when fresh in another dtype)."""
+        dests, sources = self._views(pieces, start, values)
+        if fresh and values.dtype == pieces[0].dtype:
+            torch._foreach_copy_(dests, sources)
+            if scale != 1.0:
+                torch._foreach_mul_(dests, scale)
+            return
+        for dest, source in zip(dests, sources):
+            if fresh:
+                dest.zero_()
+            dest.add_(source, alpha=scale)
+
+    def _views(self, pieces: list[torch.Tensor], start: int, values: torch.Tensor) -> tuple[list, list]:
+        key = (start, values.data_ptr(), values.numel(), values.dtype)
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1], self._cached[2]
+        dests, sources = [], []
+        for piece, span in zip(pieces, self.layout.spans):
+            lo = max(start, span.shard_offset)
+            hi = min(start + values.numel(), span.shard_offset + span.local_rows * span.row_numel)
+            if hi > lo:
+                rows = slice((lo - span.shard_offset) // span.row_numel, (hi - span.shard_offset) // span.row_numel)
+                dests.append(piece[rows])
+                sources.append(values[lo - start : hi - start].view(rows.stop - rows.start, *span.shape[1:]))
+        self._cached = (key, dests, sources)
+        return dests, sources

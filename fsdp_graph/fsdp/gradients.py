@@ -34,7 +34,7 @@ from .collective_graphs import CollectiveGraphs, can_replay
 from .collectives import CommStreams
 from .flat_layout import FlatLayout
 from .mesh import ShardMesh
-from .sharded_grads import ShardedGrads
+from .sharded_grads import ShardedGrads, run_post_accumulate_hooks
 from .sharded_param import ShardedParam
 from .stray_gradients import drop_unsharded_grads, refuse_stray_gradients
 from .unit_reduce import UnitReduce
@@ -185,7 +185,7 @@ class UnitGradients:
         if self.trainable:
             current = self._take_sharded(None)
             self.sharded.accumulate([(0, parked)], current, self.trainable, self._scale())
-            self.sharded.run_post_accumulate_hooks(self._masters)
+            run_post_accumulate_hooks(self._masters)
 
     def _scale(self) -> float:
         return 1.0 / (self.divide_factor or self.world_size)
@@ -220,7 +220,7 @@ class UnitGradients:
                 target.zeroed = True
             later = self.use.take_candidates(self.trainable, current)  # settled at the end of the backward
             if not parked:
-                self.sharded.run_post_accumulate_hooks(
+                run_post_accumulate_hooks(
                     [m for i, m in zip(self.trainable, self._masters) if i not in later] if later else self._masters)
 
     # -- between steps ----------------------------------------------------------------------

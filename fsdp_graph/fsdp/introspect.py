@@ -49,10 +49,10 @@ def unit_buffers(unit: FSDPUnit) -> UnitBuffers:
 
 
 def sharded_grad_bytes_held(unit: FSDPUnit) -> int:
-    """Bytes of device memory the unit's sharded gradient buffer holds now (0 after ``zero_grad()``
-    gave it back, or before the first backward)."""
-    flat = unit.grads.sharded.flat
-    return 0 if flat is None else flat.untyped_storage().nbytes()
+    """Bytes of device memory of its own the unit's sharded gradient buffer holds now (0 after
+    ``zero_grad()`` gave it back, before the first backward, or at a home in a graph pool)."""
+    sharded = unit.grads.sharded
+    return sharded.flat.untyped_storage().nbytes() if sharded.owns_memory else 0
 
 
 def sharded_grad_bytes(unit: FSDPUnit) -> int:

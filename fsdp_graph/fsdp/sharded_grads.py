@@ -15,10 +15,11 @@ ones made at the next reduce, so no tensor a user holds ever changes under them.
 A whole-step graph writes the gradients at fixed addresses: ``pin()`` keeps the memory for good,
 and ``.grad`` is pointed back at it after each replay.
 
-Under segment graphs the buffer may have a home in the graphs' pool
+Under per-layer and segment graphs the buffer may have a home in the graphs' pool
 (``grad_homes.py``): memory the pool's activations use only between the next forward and this
-unit's backward. While every ``.grad`` is None the reduce writes there; values still held when a
-graph replays a forward move out first (``leave_home_if_held``).
+unit's backward, one piece per parameter. While every ``.grad`` is None the reduce writes there
+(the flat buffer is then an empty stand-in and the views are the pieces'); values still held when
+a graph replays a forward move out first into a flat buffer of their own (``leave_home_if_held``).
 
 Each ``.grad`` is the master's kind: a ``Shard(0)`` DTensor made with the master's spec, or the
 plain local view without a mesh.
@@ -35,6 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .flat_layout import FlatLayout
+from .grad_homes import HomeRows
 from .mesh import local_tensor
 from .sharded_param import ShardedParam
 
@@ -49,14 +51,16 @@ class ShardedGrads:
         self.local_views: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []  # the masters' ``.grad`` while they are ours
         self._own_holders: tuple | None = None  # who holds the buffer and its views when only we do
-        self.home: torch.Tensor | None = None  # memory in a graph pool (grad_homes.py), or None
+        self.home: list[torch.Tensor] | None = None  # per parameter, memory in a graph pool (grad_homes.py)
         self.homes = None  # the GradHomes of that pool
-        self._at_home = False  # the buffer's storage is the home's
+        self._home_storages: list[int] = []  # the pieces' storages (read while at home only)
+        self._home_rows = HomeRows(layout)
+        self._at_home = False  # the views are the home's pieces (and ``flat`` an empty stand-in)
 
     @property
     def live(self) -> bool:
         """The buffer has its memory (read from the storage itself: nothing to keep in step)."""
-        return self.flat is not None and self.flat.untyped_storage().nbytes() > 0
+        return self.flat is not None and (self._at_home or self.flat.untyped_storage().nbytes() > 0)
 
     @property
     def owns_memory(self) -> bool:
@@ -98,16 +102,17 @@ class ShardedGrads:
         self._detach()
         self._at_home = True
         with torch.inference_mode(False):
-            self._adopt(self.home[:])
+            self._adopt(self._like.new_empty(0), [piece.view(piece.shape) for piece in self.home])
         return True
 
     def set_home(self, homes) -> bool:
         """Take the home, with the allocator routed into a graph pool (``graphs/gradient_homes.py``).
         Not for a pinned buffer, nor where torch cannot count who holds a storage."""
-        if self.home is not None or self.pinned or _storage_uses(self._like) is None:
+        if self.home is not None or self.pinned or not self._like.numel() or _storage_uses(self._like) is None:
             return False
         with torch.inference_mode(False):
-            self.home = torch.empty_like(self._like)
+            self.home = [torch.empty_like(local) for local in self.layout.local_views(self._like)]
+        self._home_storages = [piece.untyped_storage()._cdata for piece in self.home]  # (the pieces hold them)
         self.homes = homes
         homes.members.append(self)
         return True
@@ -123,18 +128,18 @@ class ShardedGrads:
             name = self.params[0].name if self.params else "?"
             raise RuntimeError(
                 f"{what}: a tensor made from a sharded gradient of the FSDP unit that owns {name} (a slice or "
-                "view of .grad, or its to_local()) is still alive. Under segment graphs the sharded "
+                "view of .grad, or its to_local()) is still alive. Under per-layer and segment graphs the sharded "
                 "gradients live in the graphs' memory pool, which the next forward writes, so that "
                 "tensor would change under you. Clone it (.clone()) to keep it past the optimizer step, or "
                 "drop it before the next forward."
             )
         with torch.inference_mode(False), torch.no_grad():
             moved = torch.empty_like(self._like)
-            moved.copy_(self.flat)
             for view, local in zip(self.local_views, self.layout.local_views(moved)):
+                local.copy_(view)
                 view.data = local
-            self.flat.data = moved
-            del moved
+            self.flat.data = moved  # (the stand-in: the same object, so a snapshot holding it follows)
+            del moved, local
         self._at_home = False
 
     def give_up_home(self) -> None:
@@ -147,13 +152,14 @@ class ShardedGrads:
         if self in self.homes.members:
             self.homes.members.remove(self)
         self.home = self.homes = None
+        self._home_storages = []
 
     def _regrow(self) -> None:
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
 
-    def _adopt(self, flat: torch.Tensor) -> None:
+    def _adopt(self, flat: torch.Tensor, local_views: list[torch.Tensor] | None = None) -> None:
         self.flat = flat
-        self.local_views = self.layout.local_views(flat)
+        self.local_views = self.layout.local_views(flat) if local_views is None else local_views
         self.views = [_like_master(p, v) for p, v in zip(self.params, self.local_views)]
         self._own_holders = self._holders()
 
@@ -165,11 +171,13 @@ class ShardedGrads:
         """References to the storage (tensors sharing it) and to each view object (a ``.grad`` the
         user kept); None where torch cannot count storage users. Equal to the count taken when the
         views were made (no ``.grad`` set then, none now) only if nothing else holds them."""
-        uses = _storage_uses(self.flat)
+        if self._at_home:  # (the pieces' storages, whose handles set_home keeps; less the writer's views)
+            uses = sum(map(_STORAGE_USE_COUNT, self._home_storages)) - self._home_rows.views_held()
+        else:
+            uses = _storage_uses(self.flat)
         if uses is None:
             return None
-        return (uses - self._at_home,  # (the home tensor itself holds the storage too)
-                [sys.getrefcount(v) for v in self.views], [sys.getrefcount(v) for v in self.local_views])
+        return (uses, [sys.getrefcount(v) for v in self.views], [sys.getrefcount(v) for v in self.local_views])
 
     def _only_ours(self) -> bool:
         holders = self._holders()
@@ -193,6 +201,9 @@ class ShardedGrads:
                     master.grad = grad = view
                 targets.append((local_tensor(grad), i))
         for start, values in reduced:
+            if self._at_home and (fresh or ours):
+                self._home_rows.write(self.home, start, values, scale, fresh)
+                continue
             whole = start == 0 and values.numel() == self.flat.numel()  # (the common case: no view to make)
             flat = self.flat if whole else self.flat.narrow(0, start, values.numel())
             if fresh and values.dtype == flat.dtype:
@@ -218,27 +229,6 @@ class ShardedGrads:
             grad[rows].add_(values[lo - start : hi - start].view(rows.stop - rows.start, *span.shape[1:]),
                             alpha=scale)
 
-    @staticmethod
-    def run_post_accumulate_hooks(masters: list[torch.Tensor]) -> None:
-        """Hooks registered on the masters with ``register_post_accumulate_grad_hook`` (optimizer in
-        backward): run once the master's ``.grad`` holds the reduced gradient, as FSDP2 runs them
-        (autograd never accumulates into a master, so it would never call them). On GPU they run
-        on the reduce stream, after the reduce (those of a parameter this rank gave no gradient: at the end
-        of the backward, on the compute stream, ``unused_params.py``; after a segment graph's replay: on the
-        stream it replayed on, ``UnitGradients.accumulate_parked``). A whole-step graph cannot replay
-        Python: refused."""
-        for master in masters:
-            hooks = master._post_accumulate_grad_hooks
-            if hooks:
-                if master.is_cuda and torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError(
-                        "a parameter of this model has a post-accumulate-grad hook (optimizer in backward), "
-                        "which a whole-step CUDA graph cannot replay. Step the optimizer after backward, or "
-                        "use GraphConfig(strategy='layer') / 'none'."
-                    )
-                for hook in list(hooks.values()):
-                    hook(master)
-
     def release_if_dropped(self) -> None:
         """At the unit's next forward: give the memory back if every ``.grad`` was set to None."""
         if not self.live or self.pinned or self._at_home or any(p.master.grad is not None for p in self.params):
@@ -255,20 +245,26 @@ class ShardedGrads:
         self.pinned = True
 
     def snapshot(self) -> tuple:
-        return self.flat, self.local_views, self.views, self._own_holders, self.flat.clone() if self.live else None
+        values = None
+        if self.live:
+            values = [v.clone() for v in self.local_views] if self._at_home else self.flat.clone()
+        return self.flat, self.local_views, self.views, self._own_holders, values
 
     def restore(self, snapshot: tuple) -> None:
         """Back to the snapshot's buffer and values. Memory it holds stays where it is (a pinned
         buffer is captured in a graph); memory taken since the snapshot is given back at the next
         forward, as any other."""
         self.flat, self.local_views, self.views, self._own_holders, values = snapshot
-        self._at_home = self.home is not None and self.flat is not None and (  # (from the storage: a vacate
-            self.flat.untyped_storage().data_ptr() == self.home.untyped_storage().data_ptr())  # may have moved it)
+        # At home while the stand-in is still empty (a vacate since the snapshot moved it out, under it).
+        self._at_home = self.home is not None and self.flat is not None and not self.flat.numel()
         if values is not None:
             if not self.live:
                 self._regrow()  # the snapshot's own buffer again, whoever else holds it
             with torch.no_grad():
-                self.flat.copy_(values)
+                if isinstance(values, list):  # (taken at home: per parameter, wherever they are now)
+                    torch._foreach_copy_(self.local_views, values)
+                else:
+                    self.flat.copy_(values)
 
     def reattach(self) -> None:
         """After ``Module._apply`` swapped the masters' ``.grad`` tensors: values back into the
@@ -288,10 +284,33 @@ class ShardedGrads:
                 grad.data = view
 
 
+def run_post_accumulate_hooks(masters: list[torch.Tensor]) -> None:
+    """Hooks registered on the masters with ``register_post_accumulate_grad_hook`` (optimizer in
+    backward): run once the master's ``.grad`` holds the reduced gradient, as FSDP2 runs them
+    (autograd never accumulates into a master, so it would never call them). On GPU they run
+    on the reduce stream, after the reduce (those of a parameter this rank gave no gradient: at the end
+    of the backward, on the compute stream, ``unused_params.py``; after a segment graph's replay: on the
+    stream it replayed on, ``UnitGradients.accumulate_parked``). A whole-step graph cannot replay
+    Python: refused."""
+    for master in masters:
+        hooks = master._post_accumulate_grad_hooks
+        if hooks:
+            if master.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "a parameter of this model has a post-accumulate-grad hook (optimizer in backward), "
+                    "which a whole-step CUDA graph cannot replay. Step the optimizer after backward, or "
+                    "use GraphConfig(strategy='layer') / 'none'."
+                )
+            for hook in list(hooks.values()):
+                hook(master)
+
+
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _storage_uses(tensor: torch.Tensor) -> int | None:
     """How many tensors (and storage handles) share ``tensor``'s storage; None where torch cannot tell."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if use_count is None else use_count(tensor.untyped_storage()._cdata)
+    return None if _STORAGE_USE_COUNT is None else _STORAGE_USE_COUNT(tensor.untyped_storage()._cdata)
 
 
 def _like_master(param: ShardedParam, local: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce, collective_failed
+from .sharded_grads import run_post_accumulate_hooks
 
 
 class GradientUse:
@@ -119,7 +120,7 @@ def _settle(unit, unused: set[int]) -> None:
     pending = unit.use.pending
     for i in unused:
         unit.params[i].master.grad = None
-    unit.sharded.run_post_accumulate_hooks([unit.params[i].master for i in pending if i not in unused])
+    run_post_accumulate_hooks([unit.params[i].master for i in pending if i not in unused])
     unit.use.pending, unit.use.unused, unit.use.decided_from = None, frozenset(unused), tuple(pending)
 
 

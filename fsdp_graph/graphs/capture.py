@@ -39,9 +39,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
-from ..fsdp.capture_interface import pin_addresses
+from ..fsdp.capture_interface import enclosing_unit, pin_addresses
 from .activation_offload import OFFLOAD_MARK, HostPlan
 from .chained_buffers import alias_if_fits, chained_sources
+from .gradient_homes import home_gradients
 from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .host_sync import no_host_sync
 from .replay_stream import check_target, recording_joins, replay_target
@@ -508,19 +509,27 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
             post_warmup_hook()
         torch.cuda.synchronize()
 
+        group = CaptureGroup()
+        homed = None if pool is not None or forward_only or plan is not None else _homing(calls)
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
         for call in calls:
             call.fwd_graph, call.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         if plan is not None:
             plan.start_pass()
-        passes, backwards = capture_pass(calls, links, forward_only, pool, stream)
+        try:
+            passes, backwards = capture_pass(
+                calls, links, forward_only, pool, stream,
+                after_backward=None if homed is None else lambda i: home_gradients(homed.get(i, []), group.homes,
+                                                                                   pool, stream))
+            for call, fwd, target in zip(calls, passes, targets):  # (refused before anything is pinned or installed)
+                check_target(target, fwd.joins, f"graphed {call.name}", stream.device)
+        except BaseException:
+            group.homes.drop()
+            raise
     torch.cuda.current_stream().wait_stream(stream)
-    for call, fwd, target in zip(calls, passes, targets):  # (refused before anything is pinned or installed)
-        check_target(target, fwd.joins, f"graphed {call.name}", stream.device)
     for call in calls:
         if call.module is not None:  # its graphs hold its parameters' addresses from now on
             pin_addresses(call.module, "make_graphed_callables")
-    group = CaptureGroup()
     graphed = [
         GraphedCallable(captured_call(call, fwd, bwd, not forward_only), eager=e, module=call.module, group=group)
         for call, fwd, bwd, e in zip(calls, passes, backwards, eager)
@@ -533,10 +542,26 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
     return graphed
 
 
+def _homing(calls: list[CaptureTarget]) -> dict[int, list]:
+    """After which backward capture each FSDP unit's sharded gradients take their home in the pool
+    (``gradient_homes.py``): its first module's in call order, the last of its modules captured, whose
+    memory no graph replayed after the unit's reduce (the earlier modules' backwards) can then get."""
+    first: dict[int, tuple] = {}
+    for i, call in enumerate(calls):
+        unit = enclosing_unit(call.module) if call.module is not None else None
+        if unit is not None:
+            first.setdefault(id(unit), (i, unit))
+    homed: dict[int, list] = {}
+    for i, unit in first.values():
+        homed.setdefault(i, []).append(unit)
+    return homed
+
+
 def capture_pass(calls: list[CaptureTarget], links, forward_only: bool, pool=None, stream=None,
-                 capturing: bool = True) -> tuple[list[ForwardPass], list]:
+                 capturing: bool = True, after_backward=None) -> tuple[list[ForwardPass], list]:
     """Forwards in call order, then backwards in reverse, into ``calls``' graphs (emulated graphs in
-    CPU tests: ``capturing=False``); inputs and output gradients chained as ``links`` say."""
+    CPU tests: ``capturing=False``); inputs and output gradients chained as ``links`` say;
+    ``after_backward(i)`` once module ``i``'s backward is captured and its hooks have run."""
     passes: list[ForwardPass] = []
     for i, call in enumerate(calls):
         chained = chained_sources(links[i], _tensors(passes[-1])[0]) if links and i else None
@@ -547,6 +572,8 @@ def capture_pass(calls: list[CaptureTarget], links, forward_only: bool, pool=Non
             chained = _gradients_of_chained(passes, backwards, links, i) if links else None
             backwards[i] = backward_pass(calls[i], passes[i], calls[i].bwd_graph if capturing else None, pool, stream,
                                          chained)
+            if after_backward is not None:
+                after_backward(i)
     return passes, backwards
 
 

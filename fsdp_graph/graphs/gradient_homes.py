@@ -1,7 +1,8 @@
-"""Each segmented unit's sharded gradients homed in the segments' pool, right after its backward capture.
+"""Each unit's sharded gradients homed in its graphs' pool, right after its backward capture.
 
-The segment capture records backwards in reverse order. Once the backward of a unit's segment is
-captured, the pool's free memory is what the graphs captured so far use only between
+Per-layer and segment captures record backwards in reverse order. Once the backward of a unit's
+graph is captured (per layer: its first module's, ``capture._homing``; a segment: the unit's
+segment's), the pool's free memory is what the graphs captured so far use only between
 the next forward and that backward (the later blocks' activations, every forward's temporaries),
 so the unit's gradient buffer, live from its reduce to the optimizer step, is taken from there
 (``fsdp/grad_homes.py`` says why and what keeps it safe). Routing an allocation into a graph pool

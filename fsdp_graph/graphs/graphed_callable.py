@@ -175,6 +175,7 @@ class GraphedCallable:
         target = chosen_target(self.replay_default)
         check_target(target, self.captured.join_events, f"graphed {self.name}", self.device)
         track = self._has_backward and torch.is_grad_enabled()
+        self.group.homes.vacate(f"graphed {self.name}")  # (the forward may write any home: grad_homes.py)
         outputs = _Replay.apply(self, track, target, *inputs, *self.params)
         if self._single_output:
             return outputs[0]
