@@ -36,8 +36,8 @@ def _before_forward(homes: GradHomes) -> None:
             piece.fill_(float("nan"))  # what the forward's activations would do to it
 
 
-def _train(info, homed: bool, set_to_none: bool, accumulate: bool, keep_objects: bool):
-    model, _ = build(info.device, vocab=301, n_blocks=3)
+def _train(info, homed: bool, set_to_none: bool, accumulate: bool, keep_objects: bool, vocab: int = 301):
+    model, _ = build(info.device, vocab=vocab, n_blocks=3)
     shard(model)
     homes = _homed(model) if homed else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -64,16 +64,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _homes_train_as_without(info) -> None:
-    cases = {"zero_grad()": (True, False, False), "zero_grad(set_to_none=False)": (False, False, False),
-             "two backwards per step": (True, True, False), ".grad objects kept": (True, False, True)}
-    for what, (set_to_none, accumulate, keep) in cases.items():
-        losses, params, homes = _train(info, True, set_to_none, accumulate, keep)
-        ref_losses, ref_params, _ = _train(info, False, set_to_none, accumulate, keep)
+    cases = {"zero_grad()": (True, False, False, 301), "zero_grad(set_to_none=False)": (False, False, False, 301),
+             "two backwards per step": (True, True, False, 301), ".grad objects kept": (True, False, True, 301),
+             # the root reduced in pieces, one of which holds none of the last rank's embedding rows
+             "a piece with no rows here": (True, False, False, 277)}
+    for what, (set_to_none, accumulate, keep, vocab) in cases.items():
+        losses, params, homes = _train(info, True, set_to_none, accumulate, keep, vocab)
+        ref_losses, ref_params, _ = _train(info, False, set_to_none, accumulate, keep, vocab)
         assert torch.equal(losses, ref_losses), f"{what}: {losses.tolist()} vs {ref_losses.tolist()}"
         for p, q in zip(params, ref_params):
             assert torch.equal(_local(p), _local(q)), what
         at_home = [g._at_home for g in homes.members]
-        if what == "zero_grad()":
+        if what in ("zero_grad()", "a piece with no rows here"):
             assert all(at_home), "with .grad set to None the reduce writes the home"
         elif what == "zero_grad(set_to_none=False)":
             assert not any(at_home), "values kept across the forward move out, and stay out"
@@ -116,3 +118,37 @@ def _refusals(info) -> None:
 
 def test_a_slice_of_a_homed_gradient_kept_across_a_forward_is_refused_and_pinning_gives_the_home_up():
     run_ranks(_refusals, 2)
+
+
+def _user_grads(info) -> None:
+    """A ``.grad`` the user sets on one parameter while its unit's buffer is at home: the reduce adds
+    into it (and zeros for the others) exactly as without a home. After values moved out of a home,
+    the buffer counts as ours again once nobody else holds it (so its memory goes back as usual)."""
+    results = []
+    for homed in (True, False):
+        model, _ = build(info.device, vocab=301, n_blocks=3)
+        shard(model)
+        homes = _homed(model) if homed else GradHomes()
+        _before_forward(homes)
+        local_loss(model, 0, info).backward()
+        model.zero_grad()
+        _before_forward(homes)
+        loss = local_loss(model, 1, info)
+        param = next(p for p in model.blocks[0].parameters() if p.requires_grad)
+        param.grad = torch.ones_like(param)  # (set by the user between the forward and the backward)
+        loss.backward()
+        results.append([_local(p.grad).clone() for p in model.parameters() if p.grad is not None])
+        if homed:
+            sharded = units_in(model.blocks[1])[0].grads.sharded
+            assert sharded._at_home
+            _before_forward(homes)  # (.grad set: the values move out)
+            assert not sharded._at_home
+            model.zero_grad()
+            assert sharded._only_ours(), "after the move, and .grad None, the buffer is ours alone"
+    assert len(results[0]) == len(results[1])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+def test_a_grad_set_by_the_user_at_home_and_the_count_after_a_move():
+    run_ranks(_user_grads, 2)

@@ -54,21 +54,26 @@ class GradHomes:
 
 class HomeRows:
     """Writes a reduced shard into a home's pieces: per parameter the rows a (start, values) piece of
-    the shard covers, as one multi-tensor copy (and scale). The views are made once per source."""
+    the shard covers, as one multi-tensor copy (and scale). The plan (the pieces' views, the split of
+    the source) is made once per (start, length); the source itself is not kept."""
 
     def __init__(self, layout) -> None:
         self.layout = layout
-        self._cached: tuple | None = None  # (key, destinations, sources); the pieces never move
+        self._plan: tuple | None = None  # ((start, numel), split sizes, positions of the kept parts, views)
 
     def views_held(self) -> int:
-        """How many views of the pieces the writer keeps (they share the pieces' storage)."""
-        return 0 if self._cached is None else len(self._cached[1])
+        """How many views of the pieces the plan keeps (they share the pieces' storage)."""
+        return 0 if self._plan is None else len(self._plan[3])
 
     def write(self, pieces: list[torch.Tensor], start: int, values: torch.Tensor, scale: float, fresh: bool) -> None:
         """``pieces (+)= values · scale`` where they overlap, in the kernels the whole buffer would run
         (bitwise the same per element): fresh, a copy and a multiply (``torch.mul`` rounds as they do);
         else an ``add_`` per parameter (a zeroed one when fresh in another dtype)."""
-        dests, sources = self._views(pieces, start, values)
+        sizes, kept, dests = self._planned(pieces, start, values.numel())
+        if not dests:  # (none of this rank's rows in that part of the shard)
+            return
+        parts = values.split_with_sizes(sizes)
+        sources = [parts[k] for k in kept]
         if fresh and values.dtype == pieces[0].dtype:
             torch._foreach_copy_(dests, sources)
             if scale != 1.0:
@@ -79,17 +84,18 @@ class HomeRows:
                 dest.zero_()
             dest.add_(source, alpha=scale)
 
-    def _views(self, pieces: list[torch.Tensor], start: int, values: torch.Tensor) -> tuple[list, list]:
-        key = (start, values.data_ptr(), values.numel(), values.dtype)
-        if self._cached is not None and self._cached[0] == key:
-            return self._cached[1], self._cached[2]
-        dests, sources = [], []
+    def _planned(self, pieces: list[torch.Tensor], start: int, numel: int) -> tuple[list, list, list]:
+        if self._plan is not None and self._plan[0] == (start, numel):
+            return self._plan[1:]
+        sizes, kept, dests, at = [], [], [], start  # (the source split into gaps and the rows we hold)
         for piece, span in zip(pieces, self.layout.spans):
             lo = max(start, span.shard_offset)
-            hi = min(start + values.numel(), span.shard_offset + span.local_rows * span.row_numel)
+            hi = min(start + numel, span.shard_offset + span.local_rows * span.row_numel)
             if hi > lo:
-                rows = slice((lo - span.shard_offset) // span.row_numel, (hi - span.shard_offset) // span.row_numel)
-                dests.append(piece[rows])
-                sources.append(values[lo - start : hi - start].view(rows.stop - rows.start, *span.shape[1:]))
-        self._cached = (key, dests, sources)
-        return dests, sources
+                sizes += [lo - at, hi - lo]
+                kept.append(len(sizes) - 1)
+                dests.append(piece.view(-1)[lo - span.shard_offset : hi - span.shard_offset])
+                at = hi
+        sizes.append(start + numel - at)
+        self._plan = ((start, numel), sizes, kept, dests)
+        return sizes, kept, dests

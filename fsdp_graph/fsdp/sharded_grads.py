@@ -59,7 +59,7 @@ class ShardedGrads:
 
     @property
     def live(self) -> bool:
-        """The buffer has its memory (read from the storage itself: nothing to keep in step)."""
+        """The buffer has its memory: at a home, or read from its storage."""
         return self.flat is not None and (self._at_home or self.flat.untyped_storage().nbytes() > 0)
 
     @property
@@ -133,14 +133,17 @@ class ShardedGrads:
                 "tensor would change under you. Clone it (.clone()) to keep it past the optimizer step, or "
                 "drop it before the next forward."
             )
+        self._move_out()
+        self._at_home = False
+        self._own_holders = self._moved_holders(self._own_holders)  # (counted once the move's temporaries are gone)
+
+    def _move_out(self) -> None:
         with torch.inference_mode(False), torch.no_grad():
             moved = torch.empty_like(self._like)
             for view, local in zip(self.local_views, self.layout.local_views(moved)):
                 local.copy_(view)
                 view.data = local
             self.flat.data = moved  # (the stand-in: the same object, so a snapshot holding it follows)
-            del moved, local
-        self._at_home = False
 
     def give_up_home(self) -> None:
         """No home from now on (the gradients get pinned, or the graphs were not installed)."""
@@ -170,7 +173,8 @@ class ShardedGrads:
     def _holders(self) -> tuple | None:
         """References to the storage (tensors sharing it) and to each view object (a ``.grad`` the
         user kept); None where torch cannot count storage users. Equal to the count taken when the
-        views were made (no ``.grad`` set then, none now) only if nothing else holds them."""
+        views were made, or moved out of a home (no ``.grad`` set then, none now), only if nothing
+        else holds them."""
         if self._at_home:  # (the pieces' storages, whose handles set_home keeps; less the writer's views)
             uses = sum(map(_STORAGE_USE_COUNT, self._home_storages)) - self._home_rows.views_held()
         else:
@@ -178,6 +182,11 @@ class ShardedGrads:
         if uses is None:
             return None
         return (uses, [sys.getrefcount(v) for v in self.views], [sys.getrefcount(v) for v in self.local_views])
+
+    def _moved_holders(self, own: tuple) -> tuple:
+        """Our count once the values left the home: one storage now (no other tensor shares it: the
+        move refuses one that does), the view objects the same."""
+        return (_storage_uses(self.flat), *own[1:])
 
     def _only_ours(self) -> bool:
         holders = self._holders()
@@ -201,20 +210,20 @@ class ShardedGrads:
                     master.grad = grad = view
                 targets.append((local_tensor(grad), i))
         for start, values in reduced:
-            if self._at_home and (fresh or ours):
-                self._home_rows.write(self.home, start, values, scale, fresh)
-                continue
-            whole = start == 0 and values.numel() == self.flat.numel()  # (the common case: no view to make)
-            flat = self.flat if whole else self.flat.narrow(0, start, values.numel())
-            if fresh and values.dtype == flat.dtype:
-                torch.mul(values, scale, out=flat)  # one pass instead of zero_ + add_
-            elif fresh or ours:
-                if fresh:  # add_ scales in the master dtype (a mul would scale in the reduce dtype)
-                    flat.zero_()
-                flat.add_(values, alpha=scale)
-            else:
+            if not (fresh or ours):
                 for grad, i in targets:
                     self._add_rows(grad, i, start, values, scale)
+            elif self._at_home:
+                self._home_rows.write(self.home, start, values, scale, fresh)
+            else:
+                whole = start == 0 and values.numel() == self.flat.numel()  # (the common case: no view to make)
+                flat = self.flat if whole else self.flat.narrow(0, start, values.numel())
+                if fresh and values.dtype == flat.dtype:
+                    torch.mul(values, scale, out=flat)  # one pass instead of zero_ + add_
+                else:  # add_ scales in the master dtype (a mul would scale in the reduce dtype)
+                    if fresh:
+                        flat.zero_()
+                    flat.add_(values, alpha=scale)
         if fresh:
             for master, view in zip(masters, views):
                 master.grad = view
@@ -257,6 +266,8 @@ class ShardedGrads:
         self.flat, self.local_views, self.views, self._own_holders, values = snapshot
         # At home while the stand-in is still empty (a vacate since the snapshot moved it out, under it).
         self._at_home = self.home is not None and self.flat is not None and not self.flat.numel()
+        if isinstance(values, list) and not self._at_home:
+            self._own_holders = self._moved_holders(self._own_holders)
         if values is not None:
             if not self.live:
                 self._regrow()  # the snapshot's own buffer again, whoever else holds it

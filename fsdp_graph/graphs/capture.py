@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
-from ..fsdp.capture_interface import enclosing_unit, pin_addresses
+from ..fsdp.capture_interface import master_owner, pin_addresses
 from .activation_offload import OFFLOAD_MARK, HostPlan
 from .chained_buffers import alias_if_fits, chained_sources
 from .gradient_homes import home_gradients
@@ -490,6 +490,8 @@ def _own_offload(calls: list[CaptureTarget], where: str, forward_only: bool) -> 
 
 def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook, post_warmup_hook, pool,
              eager: list, forward_only: bool, targets: list, where: str, plan: HostPlan | None, links) -> list:
+    group = CaptureGroup()
+    homed = None if pool is not None or forward_only or plan is not None else _homing(calls)
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -509,8 +511,6 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
             post_warmup_hook()
         torch.cuda.synchronize()
 
-        group = CaptureGroup()
-        homed = None if pool is not None or forward_only or plan is not None else _homing(calls)
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
         for call in calls:
             call.fwd_graph, call.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -544,12 +544,15 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
 
 def _homing(calls: list[CaptureTarget]) -> dict[int, list]:
     """After which backward capture each FSDP unit's sharded gradients take their home in the pool
-    (``gradient_homes.py``): its first module's in call order, the last of its modules captured, whose
-    memory no graph replayed after the unit's reduce (the earlier modules' backwards) can then get."""
+    (``gradient_homes.py``): that of the first module in call order that reads its parameters, the last
+    of them captured. The unit's reduce follows that module's backward, and the modules called before
+    it replay their backwards later, from memory captured later, which the home then holds. (A module
+    without the unit's parameters could be called before all of them: it does not count.)"""
     first: dict[int, tuple] = {}
     for i, call in enumerate(calls):
-        unit = enclosing_unit(call.module) if call.module is not None else None
-        if unit is not None:
+        owners = {id(u): u for u in map(master_owner, call.parameters()) if u is not None}
+        if len(owners) == 1:
+            unit = next(iter(owners.values()))
             first.setdefault(id(unit), (i, unit))
     homed: dict[int, list] = {}
     for i, unit in first.values():
