@@ -135,7 +135,9 @@ class ShardedGrads:
             )
         self._move_out()
         self._at_home = False
-        self._own_holders = self._moved_holders(self._own_holders)  # (counted once the move's temporaries are gone)
+        # Our count now: one storage (no tensor of anyone else's shares it, as checked), counted once the
+        # move's temporaries are gone; the view objects are the same.
+        self._own_holders = (_storage_uses(self.flat), *self._own_holders[1:])
 
     def _move_out(self) -> None:
         with torch.inference_mode(False), torch.no_grad():
@@ -182,11 +184,6 @@ class ShardedGrads:
         if uses is None:
             return None
         return (uses, [sys.getrefcount(v) for v in self.views], [sys.getrefcount(v) for v in self.local_views])
-
-    def _moved_holders(self, own: tuple) -> tuple:
-        """Our count once the values left the home: one storage now (no other tensor shares it: the
-        move refuses one that does), the view objects the same."""
-        return (_storage_uses(self.flat), *own[1:])
 
     def _only_ours(self) -> bool:
         holders = self._holders()
@@ -267,7 +264,7 @@ class ShardedGrads:
         # At home while the stand-in is still empty (a vacate since the snapshot moved it out, under it).
         self._at_home = self.home is not None and self.flat is not None and not self.flat.numel()
         if isinstance(values, list) and not self._at_home:
-            self._own_holders = self._moved_holders(self._own_holders)
+            self._own_holders = (_storage_uses(self.flat), *self._own_holders[1:])  # (moved out since)
         if values is not None:
             if not self.live:
                 self._regrow()  # the snapshot's own buffer again, whoever else holds it
