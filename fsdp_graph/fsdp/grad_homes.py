@@ -28,6 +28,8 @@ all of the homes, 1.15 GiB, with one block per unit; by nothing with one piece p
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -60,6 +62,9 @@ class HomeRows:
     def __init__(self, layout) -> None:
         self.layout = layout
         self._plan: tuple | None = None  # ((start, numel), split sizes, positions of the kept parts, views)
+        # The last source's parts, while that tensor object lives (the shared staging's row, the parking
+        # buffer: made once; a unit's own staging dies after its reduce, and the parts with it).
+        self._source: tuple | None = None  # (weak reference to the source, plan key, its parts)
 
     def views_held(self) -> int:
         """How many views of the pieces the plan keeps (they share the pieces' storage)."""
@@ -72,8 +77,7 @@ class HomeRows:
         sizes, kept, dests = self._planned(pieces, start, values.numel())
         if not dests:  # (none of this rank's rows in that part of the shard)
             return
-        parts = values.split_with_sizes(sizes)
-        sources = [parts[k] for k in kept]
+        sources = self._parts(values, sizes, kept)
         if fresh and values.dtype == pieces[0].dtype:
             torch._foreach_copy_(dests, sources)
             if scale != 1.0:
@@ -83,6 +87,20 @@ class HomeRows:
             if fresh:
                 dest.zero_()
             dest.add_(source, alpha=scale)
+
+    def _parts(self, values: torch.Tensor, sizes: list[int], kept: list[int]) -> list[torch.Tensor]:
+        cached = self._source
+        if cached is not None and cached[0]() is values and cached[1] is self._plan:
+            return cached[2]
+        parts = values.split_with_sizes(sizes)
+        sources = [parts[k] for k in kept]
+        ref = weakref.ref(values, self._forget_source)
+        self._source = (ref, self._plan, sources)
+        return sources
+
+    def _forget_source(self, ref) -> None:
+        if self._source is not None and self._source[0] is ref:
+            self._source = None
 
     def _planned(self, pieces: list[torch.Tensor], start: int, numel: int) -> tuple[list, list, list]:
         if self._plan is not None and self._plan[0] == (start, numel):
