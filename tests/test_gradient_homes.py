@@ -152,3 +152,27 @@ def _user_grads(info) -> None:
 
 def test_a_grad_set_by_the_user_at_home_and_the_count_after_a_move():
     run_ranks(_user_grads, 2)
+
+
+def _writer_keeps_no_dead_source(info) -> None:
+    """The home's writer keeps a source's split parts only while that tensor object lives: a shared
+    staging's row (made once) is split once, a unit's own staging (made per reduce) is not kept."""
+    model, _ = build(info.device, vocab=301, n_blocks=3)
+    shard(model)
+    _homed(model)
+    sharded = units_in(model.blocks[0])[0].grads.sharded
+    rows, pieces = sharded._home_rows, sharded.home
+    staging = torch.randn(sharded._like.numel())
+    rows.write(pieces, 0, staging, 1.0, True)
+    parts = rows._source[2]
+    rows.write(pieces, 0, staging, 1.0, True)
+    assert rows._source[2] is parts, "a live source is split once"
+    own = torch.randn(sharded._like.numel())
+    rows.write(pieces, 0, own, 0.5, True)
+    assert all(torch.equal(p, v * 0.5) for p, v in zip(pieces, sharded.layout.local_views(own)))
+    del own  # (its reduce is over: nothing may keep its memory)
+    assert rows._source is None, "the parts of a dead source are still held"
+
+
+def test_the_homes_writer_keeps_no_dead_source():
+    run_ranks(_writer_keeps_no_dead_source, 2)

@@ -29,6 +29,7 @@ all of the homes, 1.15 GiB, with one block per unit; by nothing with one piece p
 from __future__ import annotations
 
 import weakref
+from itertools import accumulate
 
 import torch
 
@@ -92,10 +93,15 @@ class HomeRows:
         cached = self._source
         if cached is not None and cached[0]() is values and cached[1] is self._plan:
             return cached[2]
-        parts = values.split_with_sizes(sizes)
-        sources = [parts[k] for k in kept]
-        ref = weakref.ref(values, self._forget_source)
-        self._source = (ref, self._plan, sources)
+        if values.dim() != 1 or not values.is_contiguous():
+            parts = values.split_with_sizes(sizes)
+            return [parts[k] for k in kept]
+        # Made on the storage, not as views of ``values``: a view would keep that tensor object alive
+        # (its base), and the weak reference that drops the parts with it would never fire.
+        storage, offsets = values.untyped_storage(), list(accumulate([values.storage_offset(), *sizes]))
+        with torch.no_grad():
+            sources = [values.new_empty(0).set_(storage, offsets[k], (sizes[k],)) for k in kept]
+        self._source = (weakref.ref(values, self._forget_source), self._plan, sources)
         return sources
 
     def _forget_source(self, ref) -> None:
