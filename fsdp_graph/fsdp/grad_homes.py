@@ -58,7 +58,8 @@ class GradHomes:
 class HomeRows:
     """Writes a reduced shard into a home's pieces: per parameter the rows a (start, values) piece of
     the shard covers, as one multi-tensor copy (and scale). The plan (the pieces' views, the split of
-    the source) is made once per (start, length); the source itself is not kept."""
+    the source) is made once per (start, length); a source's parts are kept only while that source
+    tensor lives."""
 
     def __init__(self, layout) -> None:
         self.layout = layout

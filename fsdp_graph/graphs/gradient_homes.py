@@ -35,4 +35,3 @@ def home_gradients(units: list[FSDPUnit], homes: GradHomes, pool, stream: torch.
         finally:
             end(device, pool)
             release(device, pool)
-
