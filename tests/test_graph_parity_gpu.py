@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_graph
+from fsdp_graph.fsdp.introspect import unit_buffers
 from fsdp_graph.fsdp.registry import units_in
 
 from dist_harness import run_ranks
@@ -113,10 +114,13 @@ def _train(info, selection: str | None, oversized_block: bool, graph_at_step: in
 
 def _check_collective_replays(model: GPT, selection: str, oversized_block: bool, steps: int, on: bool) -> None:
     """The units of the graphed modules replayed their unshard and reduce bodies (at least the
-    reduce's two bodies from the second step on), or never, where nothing may."""
+    reduce's two bodies from the second step on), or never, where nothing may. A unit graphed whole
+    took its gradients from its graph's static buffers: it never needed a gradient buffer."""
     graphed_blocks = {1, 3} if selection == "blocks_1_3" else set(range(CFG.n_layers))
     for i, block in enumerate(model.blocks):
         unit = units_in(block)[0]
+        if selection.startswith("blocks") and i in graphed_blocks:
+            assert unit_buffers(unit).grads == (0, 0), f"block {i} allocated a gradient buffer"
         graphs = unit.param_group.collective_graphs
         replays = {} if graphs is None else graphs.replays
         if on and i in graphed_blocks and not (oversized_block and i == 1):

@@ -48,10 +48,12 @@ class GradBuffer:
 
     * *into this buffer* (``tensor``, allocated at first use): AccumulateGrad adds into views of
       it, so the gradients sit at fixed addresses, which the units whose reduce replays as a graph
-      need. The reduce reads it and zeroes it for the next backward;
-    * *autograd's own tensors* (every other unit): the reduce reads them, and they are ``held``
-      here until the compute stream has waited for that reduce; then they go back to the
-      allocator. No buffer, no zeroing, no accumulation pass.
+      need (unless their graphs hand their gradients over: ``graph_gradients.py``). The reduce
+      reads it and zeroes it for the next backward;
+    * *tensors of their own* (every other unit): autograd's, or a graph's static gradient buffers
+      handed over; the reduce reads them, and they are ``held`` here until the compute stream has
+      waited for that reduce; then autograd's go back to the allocator. No buffer, no zeroing, no
+      accumulation pass.
 
     The next user of the buffer waits on ``reduce_done`` instead of on the whole reduce stream, so
     the reduce-scatter of one unit overlaps the backward of the next.

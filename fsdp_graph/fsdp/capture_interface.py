@@ -6,7 +6,9 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
   (``pre_forward_unshard``, ``post_forward_reshard``, ``pre_backward_handler``,
   ``post_backward_handler``), and the sentinel attribute names;
 * which unit a module is, encloses it, or owns a parameter (``units_in``, ``enclosing_unit``,
-  ``leaf_units``, ``master_owner``), and whether it is idle (``TrainingState``);
+  ``leaf_units``, ``master_owner``, ``unsharded_owner``), and whether it is idle (``TrainingState``);
+* per-layer graphs hand their parameters' gradients to the unit (``grads.from_graphs``: ``cover`` at
+  graph construction, ``receive`` at each backward replay; ``graph_gradients.py``);
 * the roots (``root_contexts``): ``outside_training_step()`` around unit steps that are no
   training step, ``forget_events()`` around a capture that records the steps themselves, and
   ``capture_failed()`` when such a capture failed midway;
@@ -59,7 +61,7 @@ from .mesh import local_tensor
 from .param_group import ShardState
 from .registry import enclosing_unit, leaf_units, pin_addresses, root_contexts, units_in
 from .root import RootContext
-from .sharded_param import master_owner
+from .sharded_param import master_owner, unsharded_owner
 from .training_state import TrainingState
 from .unit import FSDPUnit
 from .unused_params import unused_on_every_rank
@@ -89,6 +91,7 @@ __all__ = [
     "run_as_forward",
     "unit_hooks",
     "units_in",
+    "unsharded_owner",
     "unused_on_every_rank",
     "wait_for_replay_tails",
 ]

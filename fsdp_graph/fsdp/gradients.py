@@ -6,8 +6,11 @@ Before the unit's backward, ``prepare`` chooses where its gradients go:
   the gradient autograd computed, and the reduce reads those tensors (held on the slot's
   ``GradBuffer`` until the compute stream has waited for the reduce). No buffer sits in memory
   between backwards, and nothing is zeroed and then accumulated into, as in FSDP2;
-* for a unit whose reduce replays as a CUDA graph (``collective_graphs``, and its staging is the
-  shared one: ``CommScratch.fits``), which reads fixed addresses: views of the unit's persistent
+* for a unit whose parameters graphed modules cover (per-layer graphs), the gradients those
+  graphs' backwards hand over (``graph_gradients.py``): their static buffers, at fixed addresses,
+  which the reduce reads in place (and replays as a CUDA graph where it may, below);
+* for another unit whose reduce replays as a CUDA graph (``collective_graphs``, and its staging is
+  the shared one: ``CommScratch.fits``), which reads fixed addresses: views of the unit's persistent
   gradient buffer (zero: the reduce that last read it zeroed it on the reduce stream, off the
   compute stream's path), into which AccumulateGrad adds;
 * while gradients accumulate without synchronisation (``no_sync``): views of a per-unit
@@ -33,6 +36,7 @@ from .buffers import CommScratch, FlatBuffers, GradBuffer
 from .collective_graphs import CollectiveGraphs, can_replay
 from .collectives import CommStreams
 from .flat_layout import FlatLayout
+from .graph_gradients import GraphGradients
 from .mesh import ShardMesh
 from .sharded_grads import ShardedGrads, run_post_accumulate_hooks
 from .sharded_param import ShardedParam
@@ -67,6 +71,7 @@ class UnitGradients:
         self._copy_in_sources: dict[int, tuple] = {}  # id(target) -> (target, its padded views)
         self.reduce = UnitReduce(layout, mesh, self.device)  # staging, copy-in, reduce-scatter
         self.collective_graphs: CollectiveGraphs | None = None  # the reduce replayed as graphs (graph strategies)
+        self.from_graphs = GraphGradients(params)  # gradients graphed modules hand over (graph_gradients.py)
         # Set while a segment graph captures this unit: the reduce leaves this rank's summed shard here
         # (unscaled, reduce dtype) and stops; ``accumulate_parked`` finishes it after each replay.
         self.parking: torch.Tensor | None = None
@@ -89,7 +94,8 @@ class UnitGradients:
             return
         accumulate = not sync or self.accumulation_pending
         fixed = self.collective_graphs is not None and scratch.fits(self.layout.gathered_numel)
-        self._written = not accumulate and not fixed
+        handed = self.from_graphs.open(self.trainable, accumulate)
+        self._written = not accumulate and (handed or not fixed)
         refuse_stray_gradients(self.name, self.params, "found as its backward started")  # (finish leaves none)
         if self._written:
             target = buffers.grads
@@ -114,7 +120,7 @@ class UnitGradients:
         does not use)."""
         grad = self.params[i].unsharded.grad
         if self._written or grad is None:
-            return grad is not None
+            return grad is not None or self.from_graphs.got(i)
         views, versions = self._given
         return grad is not views[i] or grad._version != versions[i]
 
@@ -129,6 +135,7 @@ class UnitGradients:
             self.accumulation_pending = False
         else:
             self._keep_sum(target)
+        self.from_graphs.close()
         drop_unsharded_grads(self.params)  # (the next backward points .grad where it needs them again)
 
     def _keep_sum(self, target: GradBuffer) -> None:
@@ -136,7 +143,7 @@ class UnitGradients:
             accum = self._accumulation_buffer()
             accum.take_for_backward()
             for i in self.trainable:
-                grad = self.params[i].unsharded.grad
+                grad = self.from_graphs.gradient(i)
                 if grad is not None:
                     self._accum_views[i].copy_(grad)
         self.accumulation_pending = True
@@ -144,6 +151,7 @@ class UnitGradients:
     def abandon(self) -> None:
         """A backward that will not finish (reset after an exception)."""
         drop_unsharded_grads(self.params)
+        self.from_graphs.close()
         self._target = None
 
     def _views_into(self, buffers: FlatBuffers) -> list[torch.Tensor]:
@@ -193,7 +201,8 @@ class UnitGradients:
     def _reduce(self, target: GradBuffer, scratch: CommScratch, streams: CommStreams) -> None:
         parked = self.parking is not None
         current = [m.grad for m in self._masters] if parked else self._take_sharded(streams.reduce)
-        written = _take_written(self.params, self.layout, self._zeros) if self._written else None
+        written, fixed = _take_written(self.params, self.layout, self._zeros, self.from_graphs) \
+            if self._written else (None, True)
         if written is None and not target.side_streams_noted:
             streams.shared_with_side_streams(target.tensor)
             target.side_streams_noted = True
@@ -205,8 +214,9 @@ class UnitGradients:
                 sources = self._sources(target)
             scale = self._scale()
             if pieces is None:
-                # (A unit with collective graphs has fixed addresses: graph_modules requires them.)
-                graphs = self.collective_graphs if can_replay(self.collective_graphs) else None
+                # (A unit with collective graphs has fixed addresses: graph_modules requires them. So
+                # have a graph's static gradients and the zeros; autograd's own tensors have not.)
+                graphs = self.collective_graphs if fixed and can_replay(self.collective_graphs) else None
                 self._hand_on(self.reduce.whole(sources, target, written is None, scratch, streams, graphs), current,
                               scale)
             else:
@@ -291,21 +301,23 @@ def _counted(views: list[torch.Tensor]) -> list[torch.Tensor]:
                                                                      v.size(), v.stride()) for v in views]
 
 
-def _take_written(params: list[ShardedParam], layout: FlatLayout, zeros: _Zeros) -> list[torch.Tensor]:
-    """Autograd's gradients for the copy-in (zeros for a parameter that got none, or is frozen),
-    taken off the unsharded parameters so the next backward starts again from None."""
-    sources = []
+def _take_written(params: list[ShardedParam], layout: FlatLayout, zeros: _Zeros,
+                  from_graphs: GraphGradients) -> tuple[list[torch.Tensor], bool]:
+    """The gradients for the copy-in: autograd's, or those a graph handed over (zeros for a parameter
+    that got none, or is frozen), taken off the unsharded parameters so the next backward starts again
+    from None; and whether every one lies at a fixed address (handed over, or the zeros)."""
+    sources, fixed = [], True
     for i in layout.moved_indices:
-        param = params[i].unsharded
-        grad = param.grad
+        grad = from_graphs.gradient(i)
         if grad is None:
             grad = zeros(layout.spans[i].shape)
         else:
-            param.grad = None
+            fixed = fixed and params[i].unsharded.grad is None  # (then handed over alone: the graph's buffer)
+            params[i].unsharded.grad = None
             if grad.layout != torch.strided:  # (a sparse embedding's gradient)
                 grad = grad.to_dense()
         sources.append(grad)
-    return sources
+    return sources, fixed
 
 
 class _Zeros:

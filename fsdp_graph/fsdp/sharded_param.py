@@ -24,6 +24,7 @@ from .mesh import ShardMesh, local_tensor
 
 MASTER_TAG = "_fsdp_graph_master_of"  # on every master parameter: weakref to its unit
 REPLACED_TAG = "_fsdp_graph_replaced_by"  # on an original parameter: weakref to the unit that sharded it
+UNSHARDED_TAG = "_fsdp_graph_unsharded_of"  # on every unsharded parameter: weakref to its unit
 
 
 def _live_owner(param: torch.Tensor, tag: str):
@@ -35,6 +36,11 @@ def _live_owner(param: torch.Tensor, tag: str):
 def master_owner(param: torch.Tensor):
     """The unit whose master ``param`` is (None for ordinary parameters)."""
     return _live_owner(param, MASTER_TAG)
+
+
+def unsharded_owner(param: torch.Tensor):
+    """The unit whose unsharded parameter ``param`` is (None for any other tensor)."""
+    return _live_owner(param, UNSHARDED_TAG)
 
 
 def replaced_by(param: torch.Tensor):
@@ -131,6 +137,7 @@ class ShardedParam:
         """Point the unsharded parameter at ``view`` of a flat buffer; True when it was created now."""
         if self.unsharded is None:
             self.unsharded = nn.Parameter(view, requires_grad=self.requires_grad)
+            setattr(self.unsharded, UNSHARDED_TAG, self.owner)
             return True
         self.unsharded.data = view
         return False

@@ -44,23 +44,29 @@ class UnitReduce:
               streams: CommStreams, graphs: CollectiveGraphs | None) -> list[tuple[int, torch.Tensor]]:
         """One copy-in and one reduce-scatter of the whole unit, in the shared staging or in staging
         of its own; returns this rank's shard. ``from_target``: ``sources`` are views of ``target``,
-        zeroed once copied in; ``graphs``: the unit's collective graphs, which replay the two."""
+        zeroed once copied in; ``graphs``: the unit's collective graphs, which replay the two (given
+        only for sources at fixed addresses: the target, or a graph's static gradients and zeros)."""
         shared = scratch.fits(self.layout.gathered_numel)
         if shared and (self._staging is None or self._staging[0] is not scratch):
             self._staging = (scratch, *self._staging_views(scratch.reduce_in))
-        graphs = graphs if from_target and shared else None  # (graphs read fixed addresses only)
+        graphs = graphs if shared else None  # (staging of its own moves)
         # Staging of its own (see ``buffers.CommScratch``) is allocated on this stream and freed
         # when the reduce is done: the allocator hands the block only to later work of this
         # stream, which is queued after these kernels.
         by_rank, grads, reduced = self._staging[1:] if shared else self._staging_views(
             torch.empty(self.layout.gathered_numel, dtype=scratch.dtypes.reduce, device=self.device))
-        key = (target.tensor.data_ptr(), grads.data_ptr(), reduced.data_ptr()) if graphs is not None else None
-        if not from_target:
-            self.layout.copy_in(sources, by_rank)
-        elif graphs is None:
-            self._copy_in(sources, by_rank, target)
+        if from_target:
+            def copy_in():
+                self._copy_in(sources, by_rank, target)
         else:
-            graphs.run("copy_in", key, lambda: self._copy_in(sources, by_rank, target))
+            def copy_in():
+                self.layout.copy_in(sources, by_rank)
+        if graphs is None:
+            copy_in()
+        else:
+            read = target.tensor.data_ptr() if from_target else tuple(s.data_ptr() for s in sources)
+            key = (read, grads.data_ptr(), reduced.data_ptr())
+            graphs.run("copy_in", key, copy_in)
         target.reduce_done = streams.record(streams.reduce)  # the target is free again
         if self.group is None and self.replicate_group is None:
             pass  # one process: the staging holds the sum, and the output is its only row

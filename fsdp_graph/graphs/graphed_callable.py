@@ -35,6 +35,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from ..fsdp.capture_interface import GradHomes
 from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
+from .gradient_handoff import hand_over, plan_handoffs
 from .replay_stream import ReplayTarget, begin_call, check_target, chosen_target, launch
 
 
@@ -122,6 +123,9 @@ class GraphedCallable:
             for places, attr, qualified, param in c.param_places
         ]
         self._has_backward = c.bwd_graph is not None
+        # Parameter gradients the backward hands to their FSDP units instead of autograd (gradient_handoff.py).
+        self._handoffs = plan_handoffs(self.params, module, c.static_grad_inputs, self._n_tensors) \
+            if self._has_backward else []
         self._pending: weakref.ref | None = None  # the autograd node of a forward awaiting its backward
         self._output_versions: list[int] = []
         self.replay_default: ReplayTarget | None = None  # replay_stream= / join_event= given when graphing
@@ -324,4 +328,4 @@ class _Replay(torch.autograd.Function):
         launch(runner.captured.bwd_graph, ctx.target)  # joins at the end: autograd reads the gradients now
         if runner.prefetches is not None:  # (a backward captured between a prefetch and its reader keeps it)
             runner.group.prefetched_for = runner.prefetches
-        return (None, None, None, *runner.captured.static_grad_inputs)
+        return (None, None, None, *hand_over(runner._handoffs, runner.captured.static_grad_inputs))
