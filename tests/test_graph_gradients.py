@@ -46,7 +46,7 @@ class _Replayed(torch.autograd.Function):
         for static in graphed.static:
             if static is not None:
                 static.copy_(next(grads))
-        return (None, *hand_over(graphed.plan, graphed.static))
+        return (None, *hand_over(graphed.plan, graphed.static, ctx.next_functions))
 
 
 class _Graphed:
@@ -136,6 +136,35 @@ def _handed_over_like_autograd(info, variant: str) -> None:
 @pytest.mark.parametrize("variant", ["zero_grad", "kept", "two_backwards", "no_sync"])
 def test_gradients_handed_over_train_bitwise_as_through_autograd(variant):
     run_ranks(_handed_over_like_autograd, 2, variant)
+
+
+def _input_gradients_then_a_step(info, hand: bool):
+    model, _ = build(info.device, n_blocks=3)
+    shard(model)
+    on_fixed_buffers(model)
+    for block in model.blocks:
+        _Graphed(block, hand)
+    inputs = []
+    hook = model.blocks[0].register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    loss = local_loss(model, 0, info)
+    hook.remove()
+    (embedding,) = torch.autograd.grad(loss, inputs)  # the blocks' input: accumulates into no parameter
+    untouched = [p.grad is None for b in model.blocks for p in b.parameters()]
+    local_loss(model, 1, info).backward()
+    return embedding, untouched, [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
+
+
+def _autograd_grad_leaves_the_parameters_alone(info) -> None:
+    embedding, untouched, grads = _input_gradients_then_a_step(info, False)
+    h_embedding, h_untouched, h_grads = _input_gradients_then_a_step(info, True)
+    assert all(untouched) and all(h_untouched), "autograd.grad of another tensor gave the blocks' parameters a .grad"
+    assert torch.equal(embedding, h_embedding)
+    assert len(grads) == len(h_grads) and all(torch.equal(a, b) for a, b in zip(grads, h_grads)), (
+        "the next backward's gradients differ: the graphs handed over gradients autograd.grad did not accumulate")
+
+
+def test_autograd_grad_of_other_tensors_hands_no_gradient_over():
+    run_ranks(_autograd_grad_leaves_the_parameters_alone, 2)
 
 
 class _Tied(nn.Module):

@@ -9,6 +9,9 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
   ``leaf_units``, ``master_owner``, ``unsharded_owner``), and whether it is idle (``TrainingState``);
 * per-layer graphs hand their parameters' gradients to the unit (``grads.from_graphs``: ``cover`` at
   graph construction, ``receive`` at each backward replay; ``graph_gradients.py``);
+* a forward replayed inside a backward (``in_backward``: an activation-checkpoint recompute) may write
+  any memory of its pool (homes, handed gradients): its stream first waits for the collectives its
+  units' reduces queued (``unit.wait_for_collectives``);
 * the roots (``root_contexts``): ``outside_training_step()`` around unit steps that are no
   training step, ``forget_events()`` around a capture that records the steps themselves, and
   ``capture_failed()`` when such a capture failed midway;
@@ -60,7 +63,7 @@ from .hooks import (
 from .mesh import local_tensor
 from .param_group import ShardState
 from .registry import enclosing_unit, leaf_units, pin_addresses, root_contexts, units_in
-from .root import RootContext
+from .root import RootContext, in_backward
 from .sharded_param import master_owner, unsharded_owner
 from .training_state import TrainingState
 from .unit import FSDPUnit
@@ -92,6 +95,7 @@ __all__ = [
     "unit_hooks",
     "units_in",
     "unsharded_owner",
+    "in_backward",
     "unused_on_every_rank",
     "wait_for_replay_tails",
 ]

@@ -305,8 +305,9 @@ def _take_written(params: list[ShardedParam], layout: FlatLayout, zeros: _Zeros,
                   from_graphs: GraphGradients) -> tuple[list[torch.Tensor], bool]:
     """The gradients for the copy-in: autograd's, or those a graph handed over (zeros for a parameter
     that got none, or is frozen), taken off the unsharded parameters so the next backward starts again
-    from None; and whether every one lies at a fixed address (handed over, or the zeros)."""
-    sources, fixed = [], True
+    from None; and whether every one lies at a fixed address (handed over, or the zeros, where something
+    was handed over: a capture's warm-up reduces only zeros, and would capture a graph no step replays)."""
+    sources, fixed = [], bool(from_graphs.taken)
     for i in layout.moved_indices:
         grad = from_graphs.gradient(i)
         if grad is None:

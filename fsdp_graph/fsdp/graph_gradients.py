@@ -8,14 +8,21 @@ persistent gradient buffer (an extra pass, the buffer's zeroing, and the buffer'
 good). So the graph offers these gradients to their unit instead (``receive``), and the unit's
 reduce reads the static buffers themselves: fixed addresses, no copy, no buffer.
 
-That is safe because a static buffer is read only by the reduce of the same backward, and written
-again only by that graph's next backward, which the unit's next ``prepare`` orders after this
-reduce (the compute stream waits for the last reduce that read the slot's gradients,
-``GradBuffer.release_held``), as it orders autograd's own gradients.
+A static buffer lives in the graphs' shared pool and holds its value only until the pool's next
+forward replay, whose temporaries may reuse its memory (graphs sharing a pool replay in capture
+order, and every forward was captured before every backward). Autograd copied it at once; the
+reduce reads it later, on its own stream. The backward graphs replayed after it were captured
+after it, while it was alive, so they never write it; a forward replay before the end of the
+backward (an activation-checkpoint recompute) first makes its stream wait for the collectives
+queued so far (``GraphedCallable``, ``FSDPUnit.wait_for_collectives``); and at the end of every
+backward, before any later forward, the compute stream waits for every reduce (as it does after a
+failed step, at the next forward).
 
 A unit takes its gradients this way only for a whole synchronised backward whose graphs cover all
 its trainable parameters (``cover``, at graph construction): while ``no_sync`` accumulates, the
-graph's gradients go to autograd as before, into the accumulation buffer's views. A parameter a
+graph's gradients go to autograd as before, into the accumulation buffer's views; so they do in a
+backward that accumulates no gradient into some of the parameters (``torch.autograd.grad`` of the
+inputs, ``backward(inputs=...)``: the graph layer asks autograd which it will accumulate). A parameter a
 graph reads is covered only where every module holding it lies inside that graph, so no other
 module adds a gradient to it in the same backward (whose order of summation the graph's would
 change); one that still gets a gradient from elsewhere (a functional use) is summed with it.
@@ -62,8 +69,11 @@ class GraphGradients:
         if taken is None:
             return False
         for i, grad in zip(indices, grads):
-            earlier = taken.get(i)
-            taken[i] = grad if earlier is None else earlier + grad  # (graphed twice in one backward)
+            if i in taken:  # (cover admits one graph per parameter, and a graph one backward per forward)
+                raise RuntimeError(
+                    f"parameter '{self.params[i].name}' was handed a gradient twice in one backward; its first "
+                    "gradient may be overwritten already. This is a bug in fsdp_graph: please report it.")
+            taken[i] = grad
         return True
 
     def gradient(self, i: int) -> torch.Tensor | None:

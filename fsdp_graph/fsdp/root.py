@@ -33,7 +33,7 @@ from .unused_params import settle_unused
 FAILED_STEP_WAIT_S = 60.0
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread right now."""
     return torch._C._current_graph_task_id() != -1
 
@@ -66,7 +66,7 @@ class RootContext:
             unit.nested_forwards += 1  # already unsharded by the method's call (see hooks.run_as_forward)
             return
         self.lazy_init()
-        if unit is self.root and not _in_backward():
+        if unit is self.root and not in_backward():
             self.begin_forward()  # a new iteration (also recovers units an exception left mid-step)
         unit.pre_forward()
 

@@ -5,7 +5,9 @@ autograd, AccumulateGrad would copy it into a fresh ``.grad`` (a new address eve
 unit's reduce cannot replay as a graph) or add it into a persistent gradient buffer (an extra pass
 and the buffer's memory). Offered to the unit instead, its reduce reads the static buffer where it
 lies (``fsdp/graph_gradients.py`` says when a unit takes them and why that is safe). A unit that
-declines (``no_sync`` accumulation) gets them through autograd as before.
+declines (``no_sync`` accumulation) gets them through autograd as before, and so does every unit in a
+backward that accumulates no gradient into some of its parameters (``torch.autograd.grad`` of the
+inputs, ``backward(inputs=...)``): autograd would drop those, so must the reduce.
 """
 
 from __future__ import annotations
@@ -39,14 +41,25 @@ def plan_handoffs(params: list[torch.Tensor], module: nn.Module | None, static_g
     return plan
 
 
-def hand_over(plan: list[tuple], static_grads: list) -> list:
-    """At a backward replay: offer each unit its gradients; what autograd should still get (None
-    where a unit took the gradient)."""
+def hand_over(plan: list[tuple], static_grads: list, edges: tuple) -> list:
+    """At a backward replay: offer each unit its gradients, where this backward accumulates into every
+    one of those parameters (``edges``: the replay node's ``next_functions``, one per tensor input, in
+    the order of ``static_grads``); what autograd should still get (None where a unit took them)."""
     grads = static_grads
     for receiver, positions, indices in plan:
-        if receiver.receive(indices, [static_grads[p] for p in positions]):
+        if all(_accumulates(edges[p][0]) for p in positions) and receiver.receive(
+                indices, [static_grads[p] for p in positions]):
             if grads is static_grads:
                 grads = list(static_grads)
             for p in positions:
                 grads[p] = None
     return grads
+
+
+_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def _accumulates(node) -> bool:
+    """Whether the running backward executes this AccumulateGrad node (not where autograd.grad or
+    ``backward(inputs=)`` leaves the parameter out). Unknown without torch's answer: no."""
+    return node is not None and _will_execute is not None and _will_execute(node)

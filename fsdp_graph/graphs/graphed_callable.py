@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ..fsdp.capture_interface import GradHomes
+from ..fsdp.capture_interface import GradHomes, in_backward, unsharded_owner
 from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
 from .gradient_handoff import hand_over, plan_handoffs
@@ -123,6 +123,7 @@ class GraphedCallable:
             for places, attr, qualified, param in c.param_places
         ]
         self._has_backward = c.bwd_graph is not None
+        self._units = list({id(u): u for u in map(unsharded_owner, self.params) if u is not None}.values())
         # Parameter gradients the backward hands to their FSDP units instead of autograd (gradient_handoff.py).
         self._handoffs = plan_handoffs(self.params, module, c.static_grad_inputs, self._n_tensors) \
             if self._has_backward else []
@@ -179,6 +180,9 @@ class GraphedCallable:
         target = chosen_target(self.replay_default)
         check_target(target, self.captured.join_events, f"graphed {self.name}", self.device)
         track = self._has_backward and torch.is_grad_enabled()
+        if self._units and in_backward():  # a recompute: the reduces queued so far may still write a home, or
+            for unit in self._units:  # read a static gradient (fsdp/graph_gradients.py), that this forward overwrites
+                unit.wait_for_collectives()
         self.group.homes.vacate(f"graphed {self.name}")  # (the forward may write any home: grad_homes.py)
         outputs = _Replay.apply(self, track, target, *inputs, *self.params)
         if self._single_output:
@@ -328,4 +332,7 @@ class _Replay(torch.autograd.Function):
         launch(runner.captured.bwd_graph, ctx.target)  # joins at the end: autograd reads the gradients now
         if runner.prefetches is not None:  # (a backward captured between a prefetch and its reader keeps it)
             runner.group.prefetched_for = runner.prefetches
-        return (None, None, None, *hand_over(runner._handoffs, runner.captured.static_grad_inputs))
+        grads = runner.captured.static_grad_inputs
+        if runner._handoffs:
+            grads = hand_over(runner._handoffs, grads, ctx.next_functions)
+        return (None, None, None, *grads)

@@ -33,17 +33,13 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from ..fsdp.capture_interface import FSDPUnit, ShardState, run_as_forward
+from ..fsdp.capture_interface import FSDPUnit, ShardState, in_backward, run_as_forward
 from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
 from .graphed_callable import CaptureGroup, autocast_state, describe_signature, start_backward
 from .replay_stream import launch, whole_target
 
 NO_SYNC_FIX = "graph these blocks with segment_size=1 (GraphConfig(strategy='layer')), whose reduce runs eagerly"
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class GraphedSegment:
@@ -132,7 +128,7 @@ class GraphedSegment:
         return f"block {position} ({type(self.modules[position]).__name__}) of segment {self.name}"
 
     def _forward(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        if _in_backward():
+        if in_backward():
             raise RuntimeError(
                 f"segment {self.name}: a block's forward ran inside a backward (activation checkpointing's "
                 "recompute?). A segment graph replays its forward once per backward. Leave these blocks "
