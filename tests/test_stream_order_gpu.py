@@ -101,7 +101,7 @@ def test_delays_change_no_bit_on_one_gpu_without_a_process_group(case):
     isolate (``docs/stream_handoffs.md``). The cases with two micro-batches do not have this edge
     (each unit accumulates into a buffer of its own); under layer graphs the blocks hand their
     graphs' static gradients to the reduce (``fsdp/graph_gradients.py``), and the slot's next unit
-    waits on the same event at its ``prepare`` (``release_held``). In a process of its own, as the other cases: deterministic
-    cuBLAS needs its workspace setting before the process first uses cuBLAS."""
+    waits on the same event at its ``prepare`` (``release_held``). In a process of its own, as the
+    other cases: deterministic cuBLAS needs its workspace setting before the process first uses cuBLAS."""
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     run_ranks(_delays_change_nothing_without_a_group, 1, case)
