@@ -78,6 +78,7 @@ __all__ = [
     "ShardState",
     "TrainingState",
     "enclosing_unit",
+    "in_backward",
     "leaf_units",
     "local_tensor",
     "master_owner",
@@ -95,7 +96,6 @@ __all__ = [
     "unit_hooks",
     "units_in",
     "unsharded_owner",
-    "in_backward",
     "unused_on_every_rank",
     "wait_for_replay_tails",
 ]

@@ -155,7 +155,8 @@ class FSDPUnit:
         self.param_group.collective_graphs = self.grads.collective_graphs = graphs
         if graphs is not None:
             # The capture's passes left every parameter without a gradient (they differentiate stand-ins),
-            # so its reduces read zeros; a reduce that replays reads the unit's gradient buffer instead.
+            # so its reduces read zeros; a reduce that replays reads the gradients a graph handed over,
+            # or the unit's gradient buffer.
             self.grads.release_zeros()
 
     def _refuse_unbound(self, step: str) -> None:
