@@ -149,6 +149,7 @@ def _input_gradients_then_a_step(info, hand: bool):
     loss = local_loss(model, 0, info)
     hook.remove()
     (embedding,) = torch.autograd.grad(loss, inputs)  # the blocks' input: accumulates into no parameter
+    embedding = embedding.clone()  # (the emulated graph returns its static buffer, which the next backward writes)
     untouched = [p.grad is None for b in model.blocks for p in b.parameters()]
     local_loss(model, 1, info).backward()
     return embedding, untouched, [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
@@ -165,6 +166,33 @@ def _autograd_grad_leaves_the_parameters_alone(info) -> None:
 
 def test_autograd_grad_of_other_tensors_hands_no_gradient_over():
     run_ranks(_autograd_grad_leaves_the_parameters_alone, 2)
+
+
+def _a_parameters_own_gradient_inside_the_forward(info, hand: bool):
+    model, _ = build(info.device, n_blocks=3)
+    shard(model)
+    on_fixed_buffers(model)
+    for block in model.blocks:
+        _Graphed(block, hand)
+    held, inner = [], []
+    model.blocks[0].register_forward_pre_hook(lambda m, args: held.append(m.ln.weight))  # (the unsharded one now)
+    hook = model.blocks[0].register_forward_hook(
+        lambda m, args, out: inner.append(torch.autograd.grad(out.sum(), held, retain_graph=True)[0].clone()))
+    loss = local_loss(model, 0, info)
+    hook.remove()
+    loss.backward()
+    return inner[0], [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
+
+
+def _autograd_grad_of_a_parameter_is_answered_as_without_handoff(info) -> None:
+    inner, grads = _a_parameters_own_gradient_inside_the_forward(info, False)
+    h_inner, h_grads = _a_parameters_own_gradient_inside_the_forward(info, True)  # (torch refused the question)
+    assert torch.equal(inner, h_inner)
+    assert len(grads) == len(h_grads) and all(torch.equal(a, b) for a, b in zip(grads, h_grads))
+
+
+def test_autograd_grad_of_a_graphed_parameter_itself_works_with_the_handoff():
+    run_ranks(_autograd_grad_of_a_parameter_is_answered_as_without_handoff, 2)
 
 
 class _Tied(nn.Module):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from fsdp_graph.graphs.capture import (
     CaptureTarget,
@@ -290,3 +291,15 @@ def test_a_transformer_engine_style_hook_that_returns_a_value_is_an_error_naming
         forward_pass(call)
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['forward_post_hooks'\].*TransformerEngine's"):
         normalize_capture_time_hooks([{"forward_post_hooks": {}}], 1)
+
+
+def test_a_forward_replayed_inside_a_backward_is_refused_naming_the_fix():
+    """Activation checkpointing's recompute would replay the graph inside the backward, overwriting
+    pool memory the backward still needs; checkpointing a graphed module saves no memory anyway."""
+    graphed, graphs = emulated(Scaled(), (torch.randn(2, 3, requires_grad=True),))
+    x = torch.randn(2, 3, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(graphed, x, use_reentrant=True)  # (the first forward: no grad, allowed)
+    assert graphs.replays["forward"] == 1
+    with pytest.raises(RuntimeError, match="forward ran inside a backward .*out of activation checkpointing"):
+        out.sum().backward()
+    assert graphs.replays["forward"] == 1, "the refused recompute replayed the graph"

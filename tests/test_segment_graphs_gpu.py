@@ -311,7 +311,7 @@ def _replay_refusals(info) -> None:
     model = _segmented(info)
     pair = lambda h: model.blocks[1](model.blocks[0](h))  # noqa: E731
     loss = torch.utils.checkpoint.checkpoint(pair, x, use_reentrant=True).float().sum()
-    with pytest.raises(RuntimeError, match="forward ran inside a backward.*segment_size=1"):
+    with pytest.raises(RuntimeError, match="forward ran inside a backward.*out of activation checkpointing"):
         loss.backward()
     # An eager block holding its parameters unsharded (module.unshard()) in a slot a segment writes.
     idx, targets = _batch(0, info)

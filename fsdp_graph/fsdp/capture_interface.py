@@ -9,9 +9,8 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
   ``leaf_units``, ``master_owner``, ``unsharded_owner``), and whether it is idle (``TrainingState``);
 * per-layer graphs hand their parameters' gradients to the unit (``grads.from_graphs``: ``cover`` at
   graph construction, ``receive`` at each backward replay; ``graph_gradients.py``);
-* a forward replayed inside a backward (``in_backward``: an activation-checkpoint recompute) may write
-  any memory of its pool (homes, handed gradients): its stream first waits for the collectives its
-  units' reduces queued (``unit.wait_for_collectives``);
+* whether a backward runs now (``in_backward``): graphs refuse to replay a forward inside one (an
+  activation-checkpoint recompute would overwrite pool memory the backward still needs);
 * the roots (``root_contexts``): ``outside_training_step()`` around unit steps that are no
   training step, ``forget_events()`` around a capture that records the steps themselves, and
   ``capture_failed()`` when such a capture failed midway;

@@ -12,11 +12,11 @@ A static buffer lives in the graphs' shared pool and holds its value only until 
 forward replay, whose temporaries may reuse its memory (graphs sharing a pool replay in capture
 order, and every forward was captured before every backward). Autograd copied it at once; the
 reduce reads it later, on its own stream. The backward graphs replayed after it were captured
-after it, while it was alive, so they never write it; a forward replay before the end of the
-backward (an activation-checkpoint recompute) first makes its stream wait for the collectives
-queued so far (``GraphedCallable``, ``FSDPUnit.wait_for_collectives``); and at the end of every
-backward, before any later forward, the compute stream waits for every reduce (as it does after a
-failed step, at the next forward).
+after it, while it was alive, so they never write it; a forward replay inside the backward (an
+activation-checkpoint recompute) is refused (``GraphedCallable``: it would overwrite it before the
+unit's reduce, perhaps not yet queued, reads it); and at the end of every backward, before any
+later forward, the compute stream waits for every reduce (as it does after a failed step, at the
+next forward).
 
 A unit takes its gradients this way only for a whole synchronised backward whose graphs cover all
 its trainable parameters (``cover``, at graph construction): while ``no_sync`` accumulates, the

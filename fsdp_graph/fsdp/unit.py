@@ -236,12 +236,6 @@ class FSDPUnit:
             self.param_group.drop()  # the optimizer changes the masters next
         self.state = TrainingState.IDLE
 
-    def wait_for_collectives(self) -> None:
-        """The current stream waits for every collective queued so far (a graph replaying a forward
-        inside a backward, which may overwrite what a reduce still reads or writes)."""
-        if self._streams is not None:
-            self._streams.wait_for_all()
-
     def prefetch(self, for_backward: bool) -> None:
         """Gather ahead of this unit's step (asked by the unit before it). Not while it computes;
         not twice in a forward; not in a backward when the buffer still holds its parameters."""

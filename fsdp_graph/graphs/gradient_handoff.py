@@ -61,5 +61,11 @@ _will_execute = getattr(torch._C, "_will_engine_execute_node", None)
 
 def _accumulates(node) -> bool:
     """Whether the running backward executes this AccumulateGrad node (not where autograd.grad or
-    ``backward(inputs=)`` leaves the parameter out). Unknown without torch's answer: no."""
-    return node is not None and _will_execute is not None and _will_execute(node)
+    ``backward(inputs=)`` leaves the parameter out, or asks for its gradient: torch then refuses the
+    question). Unknown without torch's answer: no."""
+    if node is None or _will_execute is None:
+        return False
+    try:
+        return _will_execute(node)
+    except RuntimeError:  # ("A leaf node was passed": autograd.grad of the parameter itself)
+        return False

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ..fsdp.capture_interface import GradHomes, in_backward, unsharded_owner
+from ..fsdp.capture_interface import GradHomes, in_backward
 from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
 from .gradient_handoff import hand_over, plan_handoffs
@@ -123,7 +123,6 @@ class GraphedCallable:
             for places, attr, qualified, param in c.param_places
         ]
         self._has_backward = c.bwd_graph is not None
-        self._units = list({id(u): u for u in map(unsharded_owner, self.params) if u is not None}.values())
         # Parameter gradients the backward hands to their FSDP units instead of autograd (gradient_handoff.py).
         self._handoffs = plan_handoffs(self.params, module, c.static_grad_inputs, self._n_tensors) \
             if self._has_backward else []
@@ -166,6 +165,8 @@ class GraphedCallable:
             or (not self.captured.grad_enabled and torch.is_grad_enabled())  # no backward graph
         ):
             return self.eager(*args, **kwargs)
+        if in_backward():
+            raise RuntimeError(recompute_refused(f"graphed {self.name}"))
         if autocast_state() != self.captured.autocast:
             raise RuntimeError(
                 f"graphed {self.name}: autocast is {autocast_state()} but was {self.captured.autocast} at capture; "
@@ -180,9 +181,6 @@ class GraphedCallable:
         target = chosen_target(self.replay_default)
         check_target(target, self.captured.join_events, f"graphed {self.name}", self.device)
         track = self._has_backward and torch.is_grad_enabled()
-        if self._units and in_backward():  # a recompute: the reduces queued so far may still write a home, or
-            for unit in self._units:  # read a static gradient (fsdp/graph_gradients.py), that this forward overwrites
-                unit.wait_for_collectives()
         self.group.homes.vacate(f"graphed {self.name}")  # (the forward may write any home: grad_homes.py)
         outputs = _Replay.apply(self, track, target, *inputs, *self.params)
         if self._single_output:
@@ -290,6 +288,16 @@ def start_backward(runner, node, what: str) -> None:
 def autocast_state() -> tuple:
     enabled = torch.is_autocast_enabled("cuda")
     return enabled, torch.get_autocast_dtype("cuda") if enabled else None
+
+
+def recompute_refused(what: str) -> str:
+    return (
+        f"{what}: its forward ran inside a backward (activation checkpointing's recompute). A graph keeps its "
+        "activations in its memory pool for the whole step, so checkpointing a graphed module saves no memory, and "
+        "a forward replayed inside the backward would overwrite pool memory the backward still needs (other "
+        "graphs' gradients, the sharded gradients' homes). Leave graphed modules out of activation checkpointing "
+        "(HF: gradient_checkpointing_disable()), or graph only the modules you do not checkpoint."
+    )
 
 
 def describe_signature(args: tuple, kwargs: dict) -> str:

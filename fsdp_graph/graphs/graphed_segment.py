@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 from ..fsdp.capture_interface import FSDPUnit, ShardState, in_backward, run_as_forward
 from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
-from .graphed_callable import CaptureGroup, autocast_state, describe_signature, start_backward
+from .graphed_callable import CaptureGroup, autocast_state, describe_signature, recompute_refused, start_backward
 from .replay_stream import launch, whole_target
 
 NO_SYNC_FIX = "graph these blocks with segment_size=1 (GraphConfig(strategy='layer')), whose reduce runs eagerly"
@@ -129,11 +129,7 @@ class GraphedSegment:
 
     def _forward(self, args: tuple, kwargs: dict) -> torch.Tensor:
         if in_backward():
-            raise RuntimeError(
-                f"segment {self.name}: a block's forward ran inside a backward (activation checkpointing's "
-                "recompute?). A segment graph replays its forward once per backward. Leave these blocks "
-                "without checkpointing, or graph them with segment_size=1."
-            )
+            raise RuntimeError(recompute_refused(f"segment {self.name}"))
         if autocast_state() != self.autocast:
             raise RuntimeError(
                 f"segment {self.name}: autocast is {autocast_state()} but was {self.autocast} at capture; the graph "
