@@ -77,13 +77,20 @@ class _Recording(EagerCollectiveBodies):
         body()
 
 
-def _train(info, hand: bool, variant: str):
+def _graphed_model(info, hand: bool):
+    """(TinyLM sharded, its reduces as collective graphs would run them, every block "graphed"; its reference)."""
     model, ref = build(info.device, n_blocks=3)
     shard(model)
     on_fixed_buffers(model)
-    bodies = {}
     for block in model.blocks:
         _Graphed(block, hand)
+    return model, ref
+
+
+def _train(info, hand: bool, variant: str):
+    model, ref = _graphed_model(info, hand)
+    bodies = {}
+    for block in model.blocks:
         unit = units_in(block)[0]
         bodies[unit] = _Recording()
         unit.replay_collectives(bodies[unit])
@@ -139,11 +146,7 @@ def test_gradients_handed_over_train_bitwise_as_through_autograd(variant):
 
 
 def _input_gradients_then_a_step(info, hand: bool):
-    model, _ = build(info.device, n_blocks=3)
-    shard(model)
-    on_fixed_buffers(model)
-    for block in model.blocks:
-        _Graphed(block, hand)
+    model = _graphed_model(info, hand)[0]
     inputs = []
     hook = model.blocks[0].register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
     loss = local_loss(model, 0, info)
@@ -169,11 +172,7 @@ def test_autograd_grad_of_other_tensors_hands_no_gradient_over():
 
 
 def _a_parameters_own_gradient_inside_the_forward(info, hand: bool):
-    model, _ = build(info.device, n_blocks=3)
-    shard(model)
-    on_fixed_buffers(model)
-    for block in model.blocks:
-        _Graphed(block, hand)
+    model = _graphed_model(info, hand)[0]
     held, inner = [], []
     model.blocks[0].register_forward_pre_hook(lambda m, args: held.append(m.ln.weight))  # (the unsharded one now)
     hook = model.blocks[0].register_forward_hook(
