@@ -17,6 +17,7 @@ import torch.nn as nn
 import fsdp_graph
 from fsdp_graph.fsdp.capture_interface import units_in
 from fsdp_graph.fsdp.introspect import unit_buffers
+from fsdp_graph.graphs.backward_probe import PROBE, engine_runs, returnable
 from fsdp_graph.graphs.gradient_handoff import hand_over, plan_handoffs
 
 from dist_harness import run_ranks
@@ -29,8 +30,8 @@ class _Replayed(torch.autograd.Function):
     """A graphed module's replay: the forward without autograd, the backward into static buffers."""
 
     @staticmethod
-    def forward(ctx, graphed, x, *params):
-        ctx.graphed = graphed
+    def forward(ctx, graphed, x, *args):
+        ctx.graphed = graphed  # (args: the parameters, then the probe, as a replay takes them)
         ctx.save_for_backward(x)
         return graphed.forward(x)
 
@@ -46,7 +47,8 @@ class _Replayed(torch.autograd.Function):
         for static in graphed.static:
             if static is not None:
                 static.copy_(next(grads))
-        return (None, *hand_over(graphed.plan, graphed.static, ctx.next_functions))
+        plain = engine_runs(ctx.next_functions[-1][0])
+        return (None, *returnable(hand_over(graphed.plan, graphed.static, ctx.next_functions, plain), plain), None)
 
 
 class _Graphed:
@@ -63,7 +65,7 @@ class _Graphed:
         if self.static is None:  # (the first call, as a capture: FSDP's unshard swapped the unsharded ones in)
             self.static = [torch.zeros_like(x)] + [torch.zeros_like(p) if p.requires_grad else None for p in params]
             self.plan = plan_handoffs(params, self.module, self.static, 1) if self.hand else []
-        return _Replayed.apply(self, x, *params)
+        return _Replayed.apply(self, x, *params, PROBE)
 
 
 class _Recording(EagerCollectiveBodies):
@@ -152,7 +154,6 @@ def _input_gradients_then_a_step(info, hand: bool):
     loss = local_loss(model, 0, info)
     hook.remove()
     (embedding,) = torch.autograd.grad(loss, inputs)  # the blocks' input: accumulates into no parameter
-    embedding = embedding.clone()  # (the emulated graph returns its static buffer, which the next backward writes)
     untouched = [p.grad is None for b in model.blocks for p in b.parameters()]
     local_loss(model, 1, info).backward()
     return embedding, untouched, [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]

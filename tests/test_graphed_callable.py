@@ -303,3 +303,25 @@ def test_a_forward_replayed_inside_a_backward_is_refused_naming_the_fix():
     with pytest.raises(RuntimeError, match="forward ran inside a backward .*out of activation checkpointing"):
         out.sum().backward()
     assert graphs.replays["forward"] == 1, "the refused recompute replayed the graph"
+
+
+def test_autograd_grad_returns_gradients_that_the_next_replay_leaves_alone():
+    """``torch.autograd.grad`` hands the caller what the backward returns: as eagerly, a tensor of its own,
+    not a static buffer that the next replay overwrites (for the module's input and a parameter)."""
+    torch.manual_seed(0)
+    module, reference = Scaled(), Scaled()
+    reference.load_state_dict(module.state_dict())
+    graphed, graphs = emulated(module, (torch.randn(2, 3, requires_grad=True),))
+    xs = [torch.randn(2, 3, requires_grad=True) for _ in range(3)]
+    got = [torch.autograd.grad(graphed(x).square().sum(), [x, module.lin.weight]) for x in xs]
+    hidden = [x.detach().mul(2).requires_grad_() for x in xs]  # (an input that is not a leaf: h * 1)
+    got += [torch.autograd.grad(graphed(h * 1).square().sum(), [h]) for h in hidden]
+    want = [torch.autograd.grad(reference(x).square().sum(), [x, reference.lin.weight]) for x in xs]
+    want += [torch.autograd.grad(reference(h * 1).square().sum(), [h]) for h in hidden]
+    assert graphs.replays["backward"] == 6
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert all(torch.equal(a, b) for a, b in zip(g, w)), f"call {i}: a later replay overwrote its gradients"
+    assert module.lin.weight.grad is None, "autograd.grad accumulated into a parameter"
+    graphed(xs[0]).square().sum().backward()  # (a plain backward still accumulates, as eagerly)
+    reference(xs[0]).square().sum().backward()
+    assert torch.equal(module.lin.weight.grad, reference.lin.weight.grad)

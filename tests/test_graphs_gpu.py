@@ -105,6 +105,19 @@ def test_two_micro_batches_accumulate_like_eager():
         assert torch.equal(p.grad, q.grad)
 
 
+def test_autograd_grad_gradients_survive_later_replays():
+    """torch.autograd.grad returns the input's and a parameter's gradients to the caller: kept over later
+    replays, they stay what eager gives, and no parameter accumulates."""
+    mlp, ref = _pair(MLP)
+    graphed = fsdp_graph.make_graphed_callables(mlp, (torch.randn(4, 64, device=DEVICE, requires_grad=True),))
+    xs = [torch.randn(4, 64, device=DEVICE, requires_grad=True) for _ in range(3)]
+    got = [torch.autograd.grad(graphed(x).square().sum(), [x, mlp.fc.weight]) for x in xs]
+    want = [torch.autograd.grad(ref(x).square().sum(), [x, ref.fc.weight]) for x in xs]
+    for g, w in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(g, w))
+    assert all(p.grad is None for p in mlp.parameters())
+
+
 @pytest.mark.parametrize("names", ["ours", "transformer_engine"])
 def test_capture_time_hooks_run_in_order_around_warmup_and_capture_never_at_replay(names):
     log: list = []

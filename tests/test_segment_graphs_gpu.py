@@ -11,13 +11,14 @@ post-accumulate-grad hook, a replaced ``.grad``; the sharded gradients given bac
 decoder layers).
 Evaluation with gradients off runs the blocks' FSDP steps by hand and equals eager's.
 Then the refusals a user can meet, each naming the fix: at replay (another input, shape,
-``requires_grad``, autocast, frozen parameters, other arguments for a later block, a reentrant
-checkpoint's recompute, an eager block holding its parameters unsharded in a slot the segment
-writes, ``no_sync``, a skipped block, a pending backward, a gradient for a block's output inside
-a segment; for chained segments, another tensor where the previous segment's output is read in
-place, and a forward of the previous segment while the chained one's backward is pending) and
-while graphing (a sample without gradient, blocks of two models, a block returning
-a tuple, a block whose input gets no gradient). Runs on two GPUs (NCCL) where there are two, else
+``requires_grad``, autocast, frozen parameters, other arguments for a later block,
+``torch.autograd.grad`` (it accumulates into no parameter), a reentrant checkpoint's recompute, an
+eager block holding its parameters unsharded in a slot the segment writes, ``no_sync``, a skipped
+block, a pending backward, a gradient for a block's output inside a segment; for chained segments,
+another tensor where the previous segment's output is read in place, and a forward of the previous
+segment while the chained one's backward is pending) and while graphing (a sample without gradient,
+blocks of two models, a block returning a tuple, a block whose input gets no gradient).
+Runs on two GPUs (NCCL) where there are two, else
 on one.
 """
 
@@ -307,6 +308,11 @@ def _replay_refusals(info) -> None:
     with pytest.raises(RuntimeError, match="called with other arguments \\(besides its input\\).*segment_size=1"):
         model.blocks[1](out, 2.0)
     del out
+    # torch.autograd.grad accumulates into no parameter; the segment's backward graph reduces them all.
+    model = _segmented(info)
+    with pytest.raises(RuntimeError, match="backward runs under torch.autograd.grad or backward\\(inputs=.*"
+                                           "segment_size=1"):
+        torch.autograd.grad(model.blocks[1](model.blocks[0](x)).float().sum(), [x])
     # Activation checkpointing that reruns the forward inside the backward (reentrant).
     model = _segmented(info)
     pair = lambda h: model.blocks[1](model.blocks[0](h))  # noqa: E731

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..fsdp.capture_interface import unsharded_owner
+from .backward_probe import engine_runs
 
 
 def plan_handoffs(params: list[torch.Tensor], module: nn.Module | None, static_grads: list,
@@ -41,31 +42,17 @@ def plan_handoffs(params: list[torch.Tensor], module: nn.Module | None, static_g
     return plan
 
 
-def hand_over(plan: list[tuple], static_grads: list, edges: tuple) -> list:
+def hand_over(plan: list[tuple], static_grads: list, edges: tuple, plain: bool) -> list:
     """At a backward replay: offer each unit its gradients, where this backward accumulates into every
-    one of those parameters (``edges``: the replay node's ``next_functions``, one per tensor input, in
+    one of those parameters (``plain``: a plain ``backward()``, which accumulates into all; else autograd
+    is asked per parameter. ``edges``: the replay node's ``next_functions``, one per tensor input, in
     the order of ``static_grads``); what autograd should still get (None where a unit took them)."""
     grads = static_grads
     for receiver, positions, indices in plan:
-        if all(_accumulates(edges[p][0]) for p in positions) and receiver.receive(
+        if (plain or all(engine_runs(edges[p][0]) for p in positions)) and receiver.receive(
                 indices, [static_grads[p] for p in positions]):
             if grads is static_grads:
                 grads = list(static_grads)
             for p in positions:
                 grads[p] = None
     return grads
-
-
-_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
-
-
-def _accumulates(node) -> bool:
-    """Whether the running backward executes this AccumulateGrad node (not where autograd.grad or
-    ``backward(inputs=)`` leaves the parameter out, or asks for its gradient: torch then refuses the
-    question). Unknown without torch's answer: no."""
-    if node is None or _will_execute is None:
-        return False
-    try:
-        return _will_execute(node)
-    except RuntimeError:  # ("A leaf node was passed": autograd.grad of the parameter itself)
-        return False

@@ -13,10 +13,13 @@ either computes exactly what the eager call would have, or refuses loudly:
   in the shared pool, so a second forward before that backward (or a backward without its
   forward) would silently use the wrong activations. A forward whose autograd graph is gone
   (its outputs were dropped) no longer counts as pending;
-* gradients go back to autograd as the static gradient tensors themselves, which this object
-  keeps referenced: AccumulateGrad then adds them into an existing ``.grad`` in place, and when
-  ``.grad`` is unset it *copies* them (it only adopts a tensor nobody else references), so no
-  ``.grad`` ever aliases a buffer the next replay overwrites.
+* in a plain ``loss.backward()``, gradients go back to autograd as the static gradient tensors
+  themselves, which this object keeps referenced: AccumulateGrad then adds them into an existing
+  ``.grad`` in place, and when ``.grad`` is unset it *copies* them (it only adopts a tensor nobody
+  else references), so no ``.grad`` ever aliases a buffer the next replay overwrites. Under
+  ``torch.autograd.grad`` (or ``backward(inputs=...)``) they go back as copies, since autograd.grad
+  returns them to its caller (``backward_probe.py`` tells the two apart). A tensor hook on a graphed
+  module's input sees the static buffer: one that keeps it must clone it.
 
 The graphs only need a ``replay()`` method, which is what lets the checks run in CPU tests.
 """
@@ -33,6 +36,7 @@ import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..fsdp.capture_interface import GradHomes, in_backward
+from .backward_probe import engine_runs, probe_input, returnable
 from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
 from .gradient_handoff import hand_over, plan_handoffs
@@ -123,6 +127,7 @@ class GraphedCallable:
             for places, attr, qualified, param in c.param_places
         ]
         self._has_backward = c.bwd_graph is not None
+        self._any_trainable = any(p.requires_grad for p in self.params)  # (checked unchanged at every call)
         # Parameter gradients the backward hands to their FSDP units instead of autograd (gradient_handoff.py).
         self._handoffs = plan_handoffs(self.params, module, c.static_grad_inputs, self._n_tensors) \
             if self._has_backward else []
@@ -182,7 +187,8 @@ class GraphedCallable:
         check_target(target, self.captured.join_events, f"graphed {self.name}", self.device)
         track = self._has_backward and torch.is_grad_enabled()
         self.group.homes.vacate(f"graphed {self.name}")  # (the forward may write any home: grad_homes.py)
-        outputs = _Replay.apply(self, track, target, *inputs, *self.params)
+        probe = probe_input(track and (self._any_trainable or any(x.requires_grad for x in inputs)))
+        outputs = _Replay.apply(self, track, target, *inputs, *self.params, probe)
         if self._single_output:
             return outputs[0]
         leaves = list(self.captured.output_leaves)
@@ -306,8 +312,9 @@ def describe_signature(args: tuple, kwargs: dict) -> str:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, runner: GraphedCallable, track: bool, target: ReplayTarget | None, *inputs: torch.Tensor):
-        ctx.runner, ctx.target = runner, target
+    def forward(ctx, runner: GraphedCallable, track: bool, target: ReplayTarget | None, *args: torch.Tensor | None):
+        *inputs, probe = args  # (the probe last: next_functions[i] stays the i-th input's edge)
+        ctx.runner, ctx.target, ctx.probed = runner, target, probe is not None
         ctx.set_materialize_grads(False)
         begin_call()
         for live, static in zip(inputs, runner.static_inputs):  # (on the caller's stream, which owns them)
@@ -340,7 +347,8 @@ class _Replay(torch.autograd.Function):
         launch(runner.captured.bwd_graph, ctx.target)  # joins at the end: autograd reads the gradients now
         if runner.prefetches is not None:  # (a backward captured between a prefetch and its reader keeps it)
             runner.group.prefetched_for = runner.prefetches
+        plain = ctx.probed and engine_runs(ctx.next_functions[-1][0])
         grads = runner.captured.static_grad_inputs
         if runner._handoffs:
-            grads = hand_over(runner._handoffs, grads, ctx.next_functions)
-        return (None, None, None, *grads)
+            grads = hand_over(runner._handoffs, grads, ctx.next_functions, plain)
+        return (None, None, None, *returnable(grads, plain), None)

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ..fsdp.capture_interface import FSDPUnit, ShardState, in_backward, run_as_forward
+from .backward_probe import engine_runs, probe_input
 from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
 from .graphed_callable import CaptureGroup, autocast_state, describe_signature, recompute_refused, start_backward
@@ -148,7 +149,7 @@ class GraphedSegment:
             )
         target = whole_target(self.replay_default, f"segment {self.name}", self.device)
         self.group.homes.vacate(f"segment {self.name}")  # (the forward may write any home)
-        outputs = _SegmentReplay.apply(self, target, *tensors)
+        outputs = _SegmentReplay.apply(self, target, *tensors, probe_input(torch.is_grad_enabled()))
         self._outputs = outputs
         self._rest = (args[1:], kwargs)
         self._complete = len(self.modules) == 1
@@ -266,8 +267,9 @@ class GraphedSegment:
 
 class _SegmentReplay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, segment: GraphedSegment, target, *inputs: torch.Tensor):
-        ctx.segment, ctx.target = segment, target
+    def forward(ctx, segment: GraphedSegment, target, *args: torch.Tensor | None):
+        *inputs, probe = args
+        ctx.segment, ctx.target, ctx.probed = segment, target, probe is not None
         ctx.set_materialize_grads(False)
         # Eager collectives of other units share the staging and slots (this also waits on replays that
         # joined early, as ``begin_call`` does).
@@ -286,6 +288,14 @@ class _SegmentReplay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         segment: GraphedSegment = ctx.segment
+        if not (ctx.probed and engine_runs(ctx.next_functions[-1][0])):
+            raise RuntimeError(
+                f"segment {segment.name}: its backward runs under torch.autograd.grad or backward(inputs=...), "
+                "which accumulate into none of its blocks' parameters (or only some), but the segment's backward "
+                "graph reduce-scatters every block's gradients into the sharded gradients. Run loss.backward() "
+                "through segments, or graph these blocks per layer (segment_size=1, or graph_modules), whose "
+                "backward leaves the parameters alone there, as eager does."
+            )
         start_backward(segment, ctx, f"segment {segment.name}")
         if not segment._complete:
             raise RuntimeError(
@@ -300,4 +310,4 @@ class _SegmentReplay(torch.autograd.Function):
         launch(segment.bwd_graph, ctx.target)
         segment.accumulate_parked()
         segment.claim_slots(segment.claims_backward)
-        return (None, None, *segment.static_grad_inputs)
+        return (None, None, *segment.static_grad_inputs, None)
