@@ -17,7 +17,7 @@ import torch.nn as nn
 import fsdp_graph
 from fsdp_graph.fsdp.capture_interface import units_in
 from fsdp_graph.fsdp.introspect import unit_buffers
-from fsdp_graph.graphs.backward_probe import PROBE, engine_runs, returnable
+from fsdp_graph.graphs.backward_probe import CONSUMERS, PROBE, engine_runs, returnable
 from fsdp_graph.graphs.gradient_handoff import hand_over, plan_handoffs
 
 from dist_harness import run_ranks
@@ -48,7 +48,11 @@ class _Replayed(torch.autograd.Function):
             if static is not None:
                 static.copy_(next(grads))
         plain = engine_runs(ctx.next_functions[-1][0])
-        return (None, *returnable(hand_over(graphed.plan, graphed.static, ctx.next_functions, plain), plain), None)
+        edges = ctx.next_functions
+        return (None, *returnable(hand_over(graphed.plan, graphed.static, edges, plain), edges, plain), None)
+
+
+CONSUMERS.add(_Replayed._backward_cls)  # (as a replay's: reads the gradient it is given, keeps nothing)
 
 
 class _Graphed:
@@ -154,8 +158,10 @@ def _input_gradients_then_a_step(info, hand: bool):
     loss = local_loss(model, 0, info)
     hook.remove()
     (embedding,) = torch.autograd.grad(loss, inputs)  # the blocks' input: accumulates into no parameter
+    kept = embedding.clone()
     untouched = [p.grad is None for b in model.blocks for p in b.parameters()]
     local_loss(model, 1, info).backward()
+    assert torch.equal(embedding, kept), "the next backward overwrote the gradient autograd.grad returned"
     return embedding, untouched, [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
 
 

@@ -307,21 +307,58 @@ def test_a_forward_replayed_inside_a_backward_is_refused_naming_the_fix():
 
 def test_autograd_grad_returns_gradients_that_the_next_replay_leaves_alone():
     """``torch.autograd.grad`` hands the caller what the backward returns: as eagerly, a tensor of its own,
-    not a static buffer that the next replay overwrites (for the module's input and a parameter)."""
+    not a static buffer that the next replay overwrites (the module's input, a parameter, and a
+    non-leaf input reached through a view, whose gradient is a view of what the replay returned)."""
     torch.manual_seed(0)
     module, reference = Scaled(), Scaled()
     reference.load_state_dict(module.state_dict())
     graphed, graphs = emulated(module, (torch.randn(2, 3, requires_grad=True),))
     xs = [torch.randn(2, 3, requires_grad=True) for _ in range(3)]
     got = [torch.autograd.grad(graphed(x).square().sum(), [x, module.lin.weight]) for x in xs]
-    hidden = [x.detach().mul(2).requires_grad_() for x in xs]  # (an input that is not a leaf: h * 1)
-    got += [torch.autograd.grad(graphed(h * 1).square().sum(), [h]) for h in hidden]
+    flat = [x.detach().reshape(6).mul(2).requires_grad_() for x in xs]
+    hidden = [f * 1 for f in flat]  # (non-leaf)
+    got += [torch.autograd.grad(graphed(h.view(2, 3)).square().sum(), [h]) for h in hidden]
     want = [torch.autograd.grad(reference(x).square().sum(), [x, reference.lin.weight]) for x in xs]
-    want += [torch.autograd.grad(reference(h * 1).square().sum(), [h]) for h in hidden]
+    want += [torch.autograd.grad(reference(h.view(2, 3)).square().sum(), [h]) for h in hidden]
     assert graphs.replays["backward"] == 6
     for i, (g, w) in enumerate(zip(got, want)):
         assert all(torch.equal(a, b) for a, b in zip(g, w)), f"call {i}: a later replay overwrote its gradients"
-    assert module.lin.weight.grad is None, "autograd.grad accumulated into a parameter"
     graphed(xs[0]).square().sum().backward()  # (a plain backward still accumulates, as eagerly)
     reference(xs[0]).square().sum().backward()
     assert torch.equal(module.lin.weight.grad, reference.lin.weight.grad)
+
+
+def test_a_leaf_reached_through_a_view_keeps_its_own_gradient_over_micro_batches():
+    """A plain backward: the input is a view of a leaf, so the leaf's gradient is a view of what the
+    replay returned, which AccumulateGrad adopts as ``.grad`` unless it is a copy; the next
+    micro-batch's replay would overwrite it before adding to it."""
+    torch.manual_seed(0)
+    module, reference = Scaled(), Scaled()
+    reference.load_state_dict(module.state_dict())
+    graphed, _ = emulated(module, (torch.randn(2, 3, requires_grad=True),))
+    leaf = torch.randn(6, requires_grad=True)
+    leaf_ref = leaf.detach().clone().requires_grad_()
+    for power in (2, 3):  # (two micro-batches with different gradients)
+        graphed(leaf.view(2, 3)).pow(power).sum().backward()
+        reference(leaf_ref.view(2, 3)).pow(power).sum().backward()
+    assert torch.equal(leaf.grad, leaf_ref.grad)
+    assert torch.equal(module.lin.weight.grad, reference.lin.weight.grad)
+
+
+def test_between_graphed_modules_the_static_gradient_is_handed_on_without_a_copy():
+    """In a plain backward one graph's input gradient goes to the graph before it as the static buffer
+    itself (that replay copies it into its own): no copy per block. Eager code between them gets a copy."""
+    first, second = Scaled(), Scaled()
+    g1, _ = emulated(first, (torch.randn(2, 3, requires_grad=True),))
+    g2, _ = emulated(second, (torch.randn(2, 3, requires_grad=True),))
+    seen = []
+    h = g1(torch.randn(2, 3, requires_grad=True))
+    h.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    g2(h).sum().backward()
+    assert seen == [g2.captured.static_grad_inputs[0].data_ptr()]
+    seen.clear()
+    h = g1(torch.randn(2, 3, requires_grad=True))
+    h2 = h * 1.0  # (eager code between the two graphs)
+    h2.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    g2(h2).sum().backward()
+    assert seen and seen[0] != g2.captured.static_grad_inputs[0].data_ptr()

@@ -49,6 +49,7 @@ from .grad_homes import GradHomes
 from .hooks import (
     BACKWARD_PRE_SENTINEL,
     BACKWARD_SENTINEL,
+    POST_BACKWARD_TRIGGER_NODE,
     cast_forward_inputs,
     cast_forward_outputs,
     install_post_backward,
@@ -71,6 +72,7 @@ from .unused_params import unused_on_every_rank
 __all__ = [
     "BACKWARD_PRE_SENTINEL",
     "BACKWARD_SENTINEL",
+    "POST_BACKWARD_TRIGGER_NODE",
     "FSDPUnit",
     "GradHomes",
     "RootContext",

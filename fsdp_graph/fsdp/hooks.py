@@ -120,6 +120,9 @@ class _PostBackwardTrigger(torch.autograd.Function):
         return (None, *grads)
 
 
+POST_BACKWARD_TRIGGER_NODE = _PostBackwardTrigger._backward_cls  # (passes each gradient on unchanged)
+
+
 def _hooks_active(module: nn.Module) -> bool:
     """Not during backward (a recompute), nor for a forward nested inside the module's own one:
     the outer call's backward handlers cover it."""

@@ -1,31 +1,47 @@
-"""Which kind of backward reaches a replay: a plain ``loss.backward()``, or one that autograd limits.
+"""What a replay's backward may give autograd: its static gradient buffers, or copies of them.
 
-A replay's backward hands autograd its static gradient buffers, which the next replay overwrites.
-In a plain ``backward()`` every node runs and autograd consumes them at once (AccumulateGrad copies
-or adds; the next node reads them). ``torch.autograd.grad`` instead *returns* the gradients of its
-``inputs`` to the caller, who may keep them past the next replay, and it accumulates into no
-parameter. So a replay must know which backward runs, and autograd does not say directly.
+A replay's backward produces its gradients in static buffers, which the next replay overwrites.
+Autograd may keep what it is given past that point:
+* ``torch.autograd.grad`` *returns* the gradients of its ``inputs`` to the caller;
+* AccumulateGrad adopts an unreferenced tensor as ``.grad``, and a view of a static buffer (a
+  graphed module's input that is a view of a leaf, or a ``cat`` of one) is such a tensor;
+* a hook (a tensor's, a module's full backward hook) may keep the tensor it is shown.
+So a replay returns a static buffer only where autograd hands it straight to a consumer that never
+keeps it: another replay's backward (which copies it into its own static buffer, or reads it in
+place where the two are chained), through FSDP's identity triggers, or a leaf's AccumulateGrad
+(which copies or adds, since the replay still references the buffer). Everywhere else it returns a
+copy: one activation-sized copy where eager code meets a graph, none between graphed blocks.
 
-The probe: every replay that records a backward also takes ``PROBE``, a leaf that requires a
-gradient and never gets one. Autograd's engine runs every node of the graph only in a plain
-``backward()`` (its per-task list of nodes to execute is empty), so
-``torch._C._will_engine_execute_node`` answers True for the probe's AccumulateGrad node there and
-False under ``autograd.grad`` or ``backward(inputs=...)``, where only the nodes toward the
-requested inputs run. One question per replay, whatever the module holds.
+Which backward runs decides the rest, and autograd does not say it directly. The probe: every replay
+that records a backward also takes ``PROBE``, a leaf that requires a gradient and never gets one.
+Autograd's engine runs every node only in a plain ``loss.backward()`` (its per-task list of nodes to
+execute is empty), so ``torch._C._will_engine_execute_node`` answers True for the probe's
+AccumulateGrad node there, and False under ``autograd.grad`` or ``backward(inputs=...)``, where only
+the nodes toward the requested inputs run. There, a gradient whose edge leads nowhere needed is
+dropped (None), and any other is copied: asked about a non-leaf node, the engine answers yes both
+where the node runs and where ``autograd.grad`` captures its input, so the two cannot be told apart.
 """
 
 from __future__ import annotations
 
 import torch
 
-PROBE = torch.zeros((), requires_grad=True)  # (its gradient is always None: the replays return none for it)
+from ..fsdp.capture_interface import POST_BACKWARD_TRIGGER_NODE
+
+PROBE = torch.zeros((), device="cpu", requires_grad=True)  # (never gets a gradient: replays return None for it)
 
 _will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+_ACCUMULATE_GRAD = type(torch.zeros(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])
+# Backward nodes that copy (or read in place) the gradient they are given and keep nothing: the replays'
+# (registered by graphed_callable.py and graphed_segment.py); and those that pass each input's
+# gradient on unchanged to the same position (FSDP's post-backward trigger).
+CONSUMERS: set[type] = {_ACCUMULATE_GRAD}
+PASS_THROUGH: set[type] = {POST_BACKWARD_TRIGGER_NODE}
 
 
 def probe_input(records_backward: bool) -> torch.Tensor | None:
-    """The extra replay input: the probe where the replay records a backward (it must not make outputs
-    require a gradient that eager would not)."""
+    """The extra replay input (the last tensor argument): the probe where the replay records a backward
+    (it must not make outputs require a gradient that eager would not)."""
     return PROBE if records_backward else None
 
 
@@ -41,7 +57,28 @@ def engine_runs(node) -> bool:
         return False
 
 
-def returnable(grads: list, plain: bool) -> list:
-    """What a replay's backward may give autograd: its static buffers in a plain backward; outside one,
-    copies where a buffer could reach the caller of ``autograd.grad`` (as eager, a fresh tensor)."""
-    return grads if plain else [None if g is None else g.clone() for g in grads]
+def returnable(grads: list, edges: tuple, plain: bool) -> list:
+    """What a replay's backward gives autograd for ``grads`` (its static buffers, None where nothing
+    is owed; ``edges``: the replay node's ``next_functions``, in the same order; ``plain``: the probe's
+    answer): each buffer itself where its edge's consumer never keeps it, else a copy, or None under
+    ``autograd.grad`` / ``backward(inputs=)`` where the edge leads to nothing that runs."""
+    if plain:
+        return [g if g is None or _consumed_at_once(*edges[i]) else g.clone() for i, g in enumerate(grads)]
+    return [None if g is None or not _wanted(edges[i][0]) else g.clone() for i, g in enumerate(grads)]
+
+
+def _consumed_at_once(node, input_nr: int) -> bool:
+    while node is not None and type(node) in PASS_THROUGH:
+        node, input_nr = node.next_functions[input_nr]
+    return node is not None and type(node) in CONSUMERS
+
+
+def _wanted(node) -> bool:
+    """Outside a plain backward: whether a gradient sent along this edge is used (its node runs, or
+    autograd.grad captures it: torch refuses the question for a captured leaf)."""
+    if node is None or _will_execute is None:
+        return node is not None
+    try:
+        return _will_execute(node)
+    except RuntimeError:
+        return True

@@ -13,13 +13,13 @@ either computes exactly what the eager call would have, or refuses loudly:
   in the shared pool, so a second forward before that backward (or a backward without its
   forward) would silently use the wrong activations. A forward whose autograd graph is gone
   (its outputs were dropped) no longer counts as pending;
-* in a plain ``loss.backward()``, gradients go back to autograd as the static gradient tensors
-  themselves, which this object keeps referenced: AccumulateGrad then adds them into an existing
-  ``.grad`` in place, and when ``.grad`` is unset it *copies* them (it only adopts a tensor nobody
-  else references), so no ``.grad`` ever aliases a buffer the next replay overwrites. Under
-  ``torch.autograd.grad`` (or ``backward(inputs=...)``) they go back as copies, since autograd.grad
-  returns them to its caller (``backward_probe.py`` tells the two apart). A tensor hook on a graphed
-  module's input sees the static buffer: one that keeps it must clone it.
+* gradients go back to autograd as the static gradient tensors themselves where autograd hands
+  them straight to a consumer that keeps nothing (another replay's backward, a leaf's
+  AccumulateGrad, which copies or adds since this object still references them), and as copies
+  everywhere else (``autograd.grad`` returns them to its caller; AccumulateGrad would adopt a view
+  of one as ``.grad``): no ``.grad`` and no returned gradient ever aliases a buffer the next
+  replay overwrites (``backward_probe.py``). A tensor hook on a graphed module's input or output
+  may be shown a static buffer: one that keeps it must clone it.
 
 The graphs only need a ``replay()`` method, which is what lets the checks run in CPU tests.
 """
@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..fsdp.capture_interface import GradHomes, in_backward
-from .backward_probe import engine_runs, probe_input, returnable
+from .backward_probe import CONSUMERS, engine_runs, probe_input, returnable
 from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
 from .gradient_handoff import hand_over, plan_handoffs
@@ -347,8 +347,12 @@ class _Replay(torch.autograd.Function):
         launch(runner.captured.bwd_graph, ctx.target)  # joins at the end: autograd reads the gradients now
         if runner.prefetches is not None:  # (a backward captured between a prefetch and its reader keeps it)
             runner.group.prefetched_for = runner.prefetches
-        plain = ctx.probed and engine_runs(ctx.next_functions[-1][0])
+        edges = ctx.next_functions
+        plain = ctx.probed and engine_runs(edges[-1][0])
         grads = runner.captured.static_grad_inputs
         if runner._handoffs:
-            grads = hand_over(runner._handoffs, grads, ctx.next_functions, plain)
-        return (None, None, None, *returnable(grads, plain), None)
+            grads = hand_over(runner._handoffs, grads, edges, plain)
+        return (None, None, None, *returnable(grads, edges, plain), None)
+
+
+CONSUMERS.add(_Replay._backward_cls)  # (copies the gradient it is given into its static buffer, keeps nothing)

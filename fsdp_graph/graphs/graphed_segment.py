@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ..fsdp.capture_interface import FSDPUnit, ShardState, in_backward, run_as_forward
-from .backward_probe import engine_runs, probe_input
+from .backward_probe import CONSUMERS, engine_runs, probe_input, returnable
 from .chained_buffers import forward_refused, overwrite_refused
 from .frozen_arguments import changed_since_capture, same
 from .graphed_callable import CaptureGroup, autocast_state, describe_signature, recompute_refused, start_backward
@@ -310,4 +310,7 @@ class _SegmentReplay(torch.autograd.Function):
         launch(segment.bwd_graph, ctx.target)
         segment.accumulate_parked()
         segment.claim_slots(segment.claims_backward)
-        return (None, None, *segment.static_grad_inputs, None)
+        return (None, None, *returnable(segment.static_grad_inputs, ctx.next_functions, True), None)
+
+
+CONSUMERS.add(_SegmentReplay._backward_cls)  # (copies the gradient it is given into its static buffer, keeps nothing)
