@@ -362,3 +362,59 @@ def test_between_graphed_modules_the_static_gradient_is_handed_on_without_a_copy
     h2.register_hook(lambda grad: seen.append(grad.data_ptr()))
     g2(h2).sum().backward()
     assert seen and seen[0] != g2.captured.static_grad_inputs[0].data_ptr()
+
+
+def test_a_leaf_hook_returning_a_view_of_the_gradient_leaves_the_static_buffer_alone():
+    """A tensor hook on a parameter or a leaf input may return a view of the gradient it is shown
+    (harmless eagerly); AccumulateGrad adopts that view as ``.grad``, so it must not be a static buffer."""
+    torch.manual_seed(0)
+    module, reference = Scaled(), Scaled()
+    reference.load_state_dict(module.state_dict())
+    graphed, _ = emulated(module, (torch.randn(2, 3, requires_grad=True),))
+    x = torch.randn(2, 3, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    for t in (module.lin.weight, reference.lin.weight, x, x_ref):
+        t.register_hook(lambda g: g.detach())
+    for power in (2, 3):  # (two micro-batches with different gradients)
+        graphed(x).pow(power).sum().backward()
+        reference(x_ref).pow(power).sum().backward()
+    assert torch.equal(module.lin.weight.grad, reference.lin.weight.grad)
+    assert torch.equal(x.grad, x_ref.grad)
+
+
+class _Passing(torch.autograd.Function):
+    """Shaped as FSDP's post-backward trigger: a non-tensor first, then tensors passed on unchanged."""
+
+    @staticmethod
+    def forward(ctx, tag, *inputs):
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
+
+
+def test_the_walk_through_a_pass_through_node_follows_the_gradient_s_position():
+    """Through a trigger with two inputs, a graph's input gradient is handed on as the static buffer only
+    where that position leads to the graph before it; where it leads to eager code, a copy."""
+    from fsdp_graph.graphs.backward_probe import PASS_THROUGH
+
+    g1, _ = emulated(Scaled(), (torch.randn(2, 3, requires_grad=True),))
+    g2, _ = emulated(Scaled(), (torch.randn(2, 3, requires_grad=True),))
+    static = g2.captured.static_grad_inputs[0].data_ptr()
+    PASS_THROUGH.add(_Passing._backward_cls)
+    try:
+        for graph_first in (False, True):
+            seen = {}
+            eager = torch.randn(2, 3, requires_grad=True) * 1.0
+            h = g1(torch.randn(2, 3, requires_grad=True))
+            eager.register_hook(lambda grad: seen.update(eager=grad.data_ptr()))
+            h.register_hook(lambda grad: seen.update(graph=grad.data_ptr()))
+            pair = _Passing.apply("tag", *((h, eager) if graph_first else (eager, h)))
+            g2(pair[1]).sum().backward()  # (the second position: eager's when the graph's is first)
+            if graph_first:  # (the unused position gets zeros, materialised by autograd)
+                assert seen["eager"] != static, seen
+            else:
+                assert seen["graph"] == static, seen
+    finally:
+        PASS_THROUGH.discard(_Passing._backward_cls)

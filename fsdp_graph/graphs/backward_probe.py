@@ -8,9 +8,10 @@ Autograd may keep what it is given past that point:
 * a hook (a tensor's, a module's full backward hook) may keep the tensor it is shown.
 So a replay returns a static buffer only where autograd hands it straight to a consumer that never
 keeps it: another replay's backward (which copies it into its own static buffer, or reads it in
-place where the two are chained), through FSDP's identity triggers, or a leaf's AccumulateGrad
-(which copies or adds, since the replay still references the buffer). Everywhere else it returns a
-copy: one activation-sized copy where eager code meets a graph, none between graphed blocks.
+place where the two are chained), through FSDP's identity triggers, or the AccumulateGrad of a
+leaf without tensor hooks (it copies or adds, since the replay still references the buffer; a hook
+may return a view of it, which AccumulateGrad would adopt). Everywhere else it returns a copy:
+one activation-sized copy where eager code meets a graph, none between graphed blocks.
 
 Which backward runs decides the rest, and autograd does not say it directly. The probe: every replay
 that records a backward also takes ``PROBE``, a leaf that requires a gradient and never gets one.
@@ -70,6 +71,8 @@ def returnable(grads: list, edges: tuple, plain: bool) -> list:
 def _consumed_at_once(node, input_nr: int) -> bool:
     while node is not None and type(node) in PASS_THROUGH:
         node, input_nr = node.next_functions[input_nr]
+    if type(node) is _ACCUMULATE_GRAD:  # (a hook of the leaf may return a view of the buffer, which it adopts)
+        return not node.variable._backward_hooks
     return node is not None and type(node) in CONSUMERS
 
 

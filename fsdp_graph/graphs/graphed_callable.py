@@ -13,13 +13,13 @@ either computes exactly what the eager call would have, or refuses loudly:
   in the shared pool, so a second forward before that backward (or a backward without its
   forward) would silently use the wrong activations. A forward whose autograd graph is gone
   (its outputs were dropped) no longer counts as pending;
-* gradients go back to autograd as the static gradient tensors themselves where autograd hands
-  them straight to a consumer that keeps nothing (another replay's backward, a leaf's
-  AccumulateGrad, which copies or adds since this object still references them), and as copies
-  everywhere else (``autograd.grad`` returns them to its caller; AccumulateGrad would adopt a view
-  of one as ``.grad``): no ``.grad`` and no returned gradient ever aliases a buffer the next
-  replay overwrites (``backward_probe.py``). A tensor hook on a graphed module's input or output
-  may be shown a static buffer: one that keeps it must clone it.
+* gradients go back to autograd as the static gradient tensors themselves where autograd hands them
+  straight to a consumer that keeps nothing (another replay's backward, the AccumulateGrad of a leaf
+  without hooks, which copies or adds since this object references them), and as copies everywhere
+  else (``autograd.grad`` returns them to its caller; AccumulateGrad would adopt a view of one as
+  ``.grad``): no ``.grad`` and no returned gradient ever aliases a buffer the next replay overwrites
+  (``backward_probe.py``). A tensor hook on a graphed module's input or output (or a node hook
+  between two graphs) may be shown a static buffer: one that keeps it must clone it.
 
 The graphs only need a ``replay()`` method, which is what lets the checks run in CPU tests.
 """
