@@ -34,9 +34,9 @@ PROBE = torch.zeros((), device="cpu", requires_grad=True)  # (never gets a gradi
 _will_execute = getattr(torch._C, "_will_engine_execute_node", None)
 _ACCUMULATE_GRAD = type(torch.zeros(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])
 # Backward nodes that copy (or read in place) the gradient they are given and keep nothing: the replays'
-# (registered by graphed_callable.py and graphed_segment.py); and those that pass each input's
-# gradient on unchanged to the same position (FSDP's post-backward trigger).
-CONSUMERS: set[type] = {_ACCUMULATE_GRAD}
+# (registered by graphed_callable.py and graphed_segment.py; a leaf's AccumulateGrad is judged by its
+# hooks); and those that pass each input's gradient on unchanged to the same position (FSDP's trigger).
+CONSUMERS: set[type] = set()
 PASS_THROUGH: set[type] = {POST_BACKWARD_TRIGGER_NODE}
 
 
@@ -46,16 +46,19 @@ def probe_input(records_backward: bool) -> torch.Tensor | None:
     return PROBE if records_backward else None
 
 
-def engine_runs(node) -> bool:
+def engine_runs(node, unknown: bool = False) -> bool:
     """Whether the running backward executes ``node`` (a ``next_functions`` entry of a replay node: the
-    probe's, or a parameter's AccumulateGrad, which then accumulates into it). False where torch
-    cannot say, or refuses the question (``autograd.grad`` of that very leaf)."""
-    if node is None or _will_execute is None:
+    probe's, or a parameter's AccumulateGrad, which then accumulates into it); False for no node.
+    ``unknown``: the answer where torch cannot say, or refuses the question (``autograd.grad`` of that
+    very leaf, which it then returns)."""
+    if node is None:
         return False
+    if _will_execute is None:
+        return unknown
     try:
         return _will_execute(node)
     except RuntimeError:  # ("A leaf node was passed ... autograd.grad()")
-        return False
+        return unknown
 
 
 def returnable(grads: list, edges: tuple, plain: bool) -> list:
@@ -65,7 +68,9 @@ def returnable(grads: list, edges: tuple, plain: bool) -> list:
     ``autograd.grad`` / ``backward(inputs=)`` where the edge leads to nothing that runs."""
     if plain:
         return [g if g is None or _consumed_at_once(*edges[i]) else g.clone() for i, g in enumerate(grads)]
-    return [None if g is None or not _wanted(edges[i][0]) else g.clone() for i, g in enumerate(grads)]
+    # (a gradient autograd.grad may capture is copied: torch refuses the question for a captured leaf)
+    return [None if g is None or not engine_runs(edges[i][0], unknown=True) else g.clone()
+            for i, g in enumerate(grads)]
 
 
 def _consumed_at_once(node, input_nr: int) -> bool:
@@ -73,15 +78,5 @@ def _consumed_at_once(node, input_nr: int) -> bool:
         node, input_nr = node.next_functions[input_nr]
     if type(node) is _ACCUMULATE_GRAD:  # (a hook of the leaf may return a view of the buffer, which it adopts)
         return not node.variable._backward_hooks
-    return node is not None and type(node) in CONSUMERS
+    return type(node) in CONSUMERS
 
-
-def _wanted(node) -> bool:
-    """Outside a plain backward: whether a gradient sent along this edge is used (its node runs, or
-    autograd.grad captures it: torch refuses the question for a captured leaf)."""
-    if node is None or _will_execute is None:
-        return node is not None
-    try:
-        return _will_execute(node)
-    except RuntimeError:
-        return True
