@@ -176,3 +176,57 @@ def _writer_keeps_no_dead_source(info) -> None:
 
 def test_the_homes_writer_keeps_no_dead_source():
     run_ranks(_writer_keeps_no_dead_source, 2)
+
+
+def _fresh_write_as_accumulate(info) -> None:
+    """Per-layer graphs record a homed unit's fresh write in its reduce-scatter's graph
+    (``ShardedGrads.fresh_write``; ``UnitReduce.whole``), then ``accumulate`` of no pieces sets
+    ``.grad``. Here the body runs eagerly, on the summed shard a parked reduce leaves, beside a twin
+    model that accumulates the shard itself: equal bit for bit. Where the write is not a fresh copy
+    into the home (``.grad`` kept as zeros, the home given up by a pin), no body is offered."""
+    models = []
+    for _ in range(2):
+        model, _ = build(info.device, vocab=301, n_blocks=3)
+        shard(model)
+        _homed(model)
+        models.append(model)
+    local_loss(models[0], 1000, info)  # a forward only (plans the staging)
+    units = [units_in(m) for m in models]
+    parking = [torch.full((u.grads.layout.shard_numel,), float("nan"), dtype=u.param_group.dtypes.reduce)
+               for u in units[0]]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    steps = ["fresh", "fresh", "kept_zeros", "pinned"]  # (pinned: every .grad None, but no home)
+    for step, how in enumerate(steps):
+        if how == "pinned":
+            for unit in units[0]:
+                unit.grads.pin_sharded()
+        offered = []
+        for model, twins in zip(models, units):
+            for unit, buffer in zip(twins, parking):
+                unit.grads.parking = buffer
+            local_loss(model, step, info).backward()
+            for unit, buffer in zip(twins, parking):
+                unit.grads.parking = None
+                grads = unit.grads
+                if model is models[1]:
+                    grads.accumulate_parked(buffer)
+                    continue
+                current = grads._take_sharded(None)
+                write = grads.sharded.fresh_write(current, grads._scale())
+                offered.append(write is not None)
+                if write is None:
+                    grads.sharded.accumulate([(0, buffer)], current, grads.trainable, grads._scale())
+                else:
+                    write[1](buffer)
+                    grads.sharded.accumulate([], current, grads.trainable, grads._scale())
+        assert all(offered) if how == "fresh" else not any(offered), (how, offered)
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            if p.requires_grad:
+                assert torch.equal(_local(p.grad), _local(q.grad)), (how, name)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=step + 1 < len(steps) and steps[step + 1] != "kept_zeros")
+
+
+def test_a_fresh_write_offered_to_the_graphs_equals_the_accumulate_it_replaces():
+    run_ranks(_fresh_write_as_accumulate, 2)

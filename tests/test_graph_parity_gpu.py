@@ -108,14 +108,18 @@ def _train(info, selection: str | None, oversized_block: bool, graph_at_step: in
     forwards = micro_batches * (STEPS - graph_at_step)
     assert all(g.replays == forwards for g in graphed), [g.replays for g in graphed]  # no silent eager
     if selection is not None:
-        _check_collective_replays(model, selection, oversized_block, STEPS - graph_at_step, collective_graphs)
+        _check_collective_replays(model, selection, oversized_block, STEPS - graph_at_step, collective_graphs,
+                                  gradients_dropped=variant != "grads_kept")
     return torch.stack(losses), fsdp_graph.full_state_dict(model)
 
 
-def _check_collective_replays(model: GPT, selection: str, oversized_block: bool, steps: int, on: bool) -> None:
+def _check_collective_replays(model: GPT, selection: str, oversized_block: bool, steps: int, on: bool,
+                              gradients_dropped: bool) -> None:
     """The units of the graphed modules replayed their unshard and reduce bodies (at least the
     reduce's two bodies from the second step on), or never, where nothing may. A unit graphed whole
-    took its gradients from its graph's static buffers: it never needed a gradient buffer."""
+    took its gradients from its graph's static buffers: it never needed a gradient buffer. Its
+    sharded gradients live in the graphs' pool (a home), and where ``zero_grad`` dropped them each
+    step, the reduce-scatter's graph also wrote them there."""
     graphed_blocks = {1, 3} if selection == "blocks_1_3" else set(range(CFG.n_layers))
     for i, block in enumerate(model.blocks):
         unit = units_in(block)[0]
@@ -124,8 +128,17 @@ def _check_collective_replays(model: GPT, selection: str, oversized_block: bool,
         graphs = unit.param_group.collective_graphs
         replays = {} if graphs is None else graphs.replays
         if on and i in graphed_blocks and not (oversized_block and i == 1):
+            homed = unit.grads.sharded.home is not None
+            if selection.startswith("blocks"):
+                assert homed, f"block {i}'s sharded gradients have no home in its graphs' pool"
+            if not homed:
+                reduce = ("reduce_scatter", steps - 1)
+            elif gradients_dropped:
+                reduce = ("reduce_scatter_and_write", steps - 1)
+            else:  # (the first step's gradients, with no .grad yet, were written into the home, eagerly)
+                reduce = ("reduce_scatter", steps - 2)
             # Each body runs eagerly once and is captured (and replayed) at its second run.
-            for name, least in (("unshard", steps - 1), ("copy_in", steps - 1), ("reduce_scatter", steps - 1)):
+            for name, least in (("unshard", steps - 1), ("copy_in", steps - 1), reduce):
                 assert replays.get(name, 0) >= least, f"block {i} replayed {replays} in {steps} steps"
         else:
             assert not replays, f"block {i} replayed {replays} FSDP steps but may not"

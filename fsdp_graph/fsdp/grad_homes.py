@@ -90,6 +90,13 @@ class HomeRows:
                 dest.zero_()
             dest.add_(source, alpha=scale)
 
+    def fresh_write(self, pieces: list[torch.Tensor], scale: float) -> tuple:
+        """``write`` of a whole shard, fresh, as (key, ``body(values)``) for a collective graph
+        (``UnitReduce.whole``): the key is the pieces' addresses and the scale (the source's the
+        caller adds), which is all the recorded kernels depend on."""
+        key = (*(piece.data_ptr() for piece in pieces), scale)
+        return key, lambda values: self.write(pieces, 0, values, scale, True)
+
     def _parts(self, values: torch.Tensor, sizes: list[int], kept: list[int]) -> list[torch.Tensor]:
         cached = self._source
         if cached is not None and cached[0]() is values and cached[1] is self._plan:

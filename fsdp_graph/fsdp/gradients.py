@@ -217,8 +217,9 @@ class UnitGradients:
                 # (A unit with collective graphs has fixed addresses: graph_modules requires them. So
                 # have a graph's static gradients and the zeros; autograd's own tensors have not.)
                 graphs = self.collective_graphs if fixed and can_replay(self.collective_graphs) else None
-                self._hand_on(self.reduce.whole(sources, target, written is None, scratch, streams, graphs), current,
-                              scale)
+                write = None if parked or graphs is None else self.sharded.fresh_write(current, scale)
+                self._hand_on(self.reduce.whole(sources, target, written is None, scratch, streams, graphs, write),
+                              current, scale)
             else:
                 try:
                     self._hand_on(self.reduce.in_pieces(pieces, sources, scratch.reduce_in), current, scale)

@@ -209,7 +209,7 @@ class ShardedGrads:
         for start, values in reduced:
             if not (fresh or ours):
                 for grad, i in targets:
-                    self._add_rows(grad, i, start, values, scale)
+                    _add_rows(self.layout, grad, i, start, values, scale)
             elif self._at_home:
                 self._home_rows.write(self.home, start, values, scale, fresh)
             else:
@@ -225,15 +225,12 @@ class ShardedGrads:
             for master, view in zip(masters, views):
                 master.grad = view
 
-    def _add_rows(self, grad: torch.Tensor, i: int, start: int, values: torch.Tensor, scale: float) -> None:
-        """Parameter ``i``'s rows inside the piece of the shard at ``start`` (``values``) into ``grad``."""
-        span = self.layout.spans[i]
-        lo = max(start, span.shard_offset)
-        hi = min(start + values.numel(), span.shard_offset + span.local_rows * span.row_numel)
-        if hi > lo:
-            rows = slice((lo - span.shard_offset) // span.row_numel, (hi - span.shard_offset) // span.row_numel)
-            grad[rows].add_(values[lo - start : hi - start].view(rows.stop - rows.start, *span.shape[1:]),
-                            alpha=scale)
+    def fresh_write(self, current: list, scale: float) -> tuple | None:
+        """After ``take``: where every ``.grad`` was None (``current``) and the buffer is at its home,
+        ``accumulate``'s write of a whole shard as a (key, body) a graph may replay
+        (``HomeRows.fresh_write``); ``accumulate`` of no pieces then only sets ``.grad``. Else None."""
+        fresh = self._at_home and all(map(operator.is_, current, repeat(None)))
+        return self._home_rows.fresh_write(self.home, scale) if fresh else None
 
     def release_if_dropped(self) -> None:
         """At the unit's next forward: give the memory back if every ``.grad`` was set to None."""
@@ -290,6 +287,17 @@ class ShardedGrads:
                 grad._local_tensor = view
             else:
                 grad.data = view
+
+
+def _add_rows(layout: FlatLayout, grad: torch.Tensor, i: int, start: int, values: torch.Tensor, scale: float) -> None:
+    """Parameter ``i``'s rows inside the piece of the shard at ``start`` (``values``) into ``grad``."""
+    span = layout.spans[i]
+    lo = max(start, span.shard_offset)
+    hi = min(start + values.numel(), span.shard_offset + span.local_rows * span.row_numel)
+    if hi > lo:
+        rows = slice((lo - span.shard_offset) // span.row_numel, (hi - span.shard_offset) // span.row_numel)
+        grad[rows].add_(values[lo - start : hi - start].view(rows.stop - rows.start, *span.shape[1:]),
+                        alpha=scale)
 
 
 def run_post_accumulate_hooks(masters: list[torch.Tensor]) -> None:

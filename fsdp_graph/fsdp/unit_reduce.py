@@ -41,11 +41,15 @@ class UnitReduce:
         return self._planned[1]
 
     def whole(self, sources: list[torch.Tensor], target: GradBuffer, from_target: bool, scratch: CommScratch,
-              streams: CommStreams, graphs: CollectiveGraphs | None) -> list[tuple[int, torch.Tensor]]:
+              streams: CommStreams, graphs: CollectiveGraphs | None,
+              write: tuple | None = None) -> list[tuple[int, torch.Tensor]]:
         """One copy-in and one reduce-scatter of the whole unit, in the shared staging or in staging
         of its own; returns this rank's shard. ``from_target``: ``sources`` are views of ``target``,
         zeroed once copied in; ``graphs``: the unit's collective graphs, which replay the two (given
-        only for sources at fixed addresses: the target, or a graph's static gradients and zeros)."""
+        only for sources at fixed addresses: the target, or a graph's static gradients and zeros).
+        ``write``: (its key, ``write(shard)``), the shard's write into fixed sharded gradients
+        (``ShardedGrads.fresh_write``): where graphs replay, it joins the reduce-scatter's graph and
+        nothing is returned (written already); elsewhere the caller writes what is returned."""
         shared = scratch.fits(self.layout.gathered_numel)
         if shared and (self._staging is None or self._staging[0] is not scratch):
             self._staging = (scratch, *self._staging_views(scratch.reduce_in))
@@ -68,12 +72,21 @@ class UnitReduce:
             key = (read, grads.data_ptr(), reduced.data_ptr())
             graphs.run("copy_in", key, copy_in)
         target.reduce_done = streams.record(streams.reduce)  # the target is free again
-        if self.group is None and self.replicate_group is None:
-            pass  # one process: the staging holds the sum, and the output is its only row
-        elif graphs is None:
-            self._reduce_scatter(grads, reduced)
-        else:
-            graphs.run("reduce_scatter", key, lambda: self._reduce_scatter(grads, reduced))
+        one_process = self.group is None and self.replicate_group is None  # the staging holds the sum already
+
+        def reduce_scatter():
+            if not one_process:
+                self._reduce_scatter(grads, reduced)
+
+        if graphs is not None and write is not None:
+            written_key, write_shard = write
+            graphs.run("reduce_scatter_and_write", (*key, *written_key),
+                       lambda: (reduce_scatter(), write_shard(reduced)))
+            return []
+        if graphs is None:
+            reduce_scatter()
+        elif not one_process:
+            graphs.run("reduce_scatter", key, reduce_scatter)
         return [(0, reduced)]
 
     def in_pieces(self, pieces: list[ReducePiece], sources: list[torch.Tensor],
