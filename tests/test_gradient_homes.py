@@ -17,7 +17,7 @@ import torch
 from fsdp_graph.fsdp.capture_interface import GradHomes, root_contexts, units_in
 
 from dist_harness import run_ranks
-from models import build, local_loss, shard
+from models import EagerCollectiveBodies, build, local_loss, on_fixed_buffers, shard
 
 pytestmark = pytest.mark.cpu_only  # CPU and gloo: CI runs it; the graphs' half runs in the GPU suite
 
@@ -230,3 +230,95 @@ def _fresh_write_as_accumulate(info) -> None:
 
 def test_a_fresh_write_offered_to_the_graphs_equals_the_accumulate_it_replaces():
     run_ranks(_fresh_write_as_accumulate, 2)
+
+
+class _Recording(EagerCollectiveBodies):
+    """The bodies run eagerly, as a graph's first run does; which ran, under which key, is kept."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, tuple]] = []
+
+    def run(self, name, key, body) -> None:
+        self.runs.append((name, key))
+        body()
+
+
+def _train_reduces(info, graphs: bool, variant: str):
+    model, _ = build(info.device, vocab=301, n_blocks=3)
+    shard(model)
+    homes, bodies = (_homed(model), []) if graphs else (None, [])
+    if graphs:
+        on_fixed_buffers(model)
+        for unit in units_in(model):
+            bodies.append(_Recording())
+            unit.replay_collectives(bodies[-1])
+    if variant == "divide_factor":
+        model.blocks[1].set_gradient_divide_factor(3.0)
+    hooked = []
+    master = units_in(model.blocks[1])[0].params[2].master
+    master.register_post_accumulate_grad_hook(lambda p: hooked.append(_local(p.grad).clone()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for step in range(4):
+        if homes is not None:
+            _before_forward(homes)
+        local_loss(model, step, info).backward()
+        grads.append([_local(p.grad).clone() for p in model.parameters() if p.requires_grad])
+        opt.step()
+        opt.zero_grad(set_to_none=variant != "grads_kept")
+    return grads, hooked, bodies
+
+
+def _reduce_writes_in_its_graph(info) -> None:
+    for variant in ("grads_dropped", "grads_kept", "divide_factor"):
+        graphed, hooked, bodies = _train_reduces(info, True, variant)
+        eager, eager_hooked, _ = _train_reduces(info, False, variant)
+        for step, (a, b) in enumerate(zip(graphed, eager)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (variant, step)
+        assert len(hooked) == 4 and all(torch.equal(x, y) for x, y in zip(hooked, eager_hooked)), variant
+        blocks = bodies[1:]  # (the root goes through the staging in pieces, eagerly)
+        for i, recorded in enumerate(blocks):
+            combined = [key for name, key in recorded.runs if name == "reduce_scatter_and_write"]
+            if variant == "grads_dropped" or (variant == "divide_factor" and i != 1):
+                assert len(combined) == 4 and len(set(combined)) == 1, (variant, i, recorded.runs)  # one graph
+            elif variant == "grads_kept":  # (only the first step starts with every .grad None)
+                assert len(combined) == 1, (variant, i, recorded.runs)
+            else:  # the unit with a divide factor writes eagerly
+                assert not combined, (variant, i, recorded.runs)
+
+
+def test_a_homed_units_reduce_writes_the_shard_in_its_reduce_scatter_graph_bitwise_as_eagerly():
+    """With collective graphs (their bodies run eagerly here, at fixed addresses as for real graphs)
+    a homed unit whose ``.grad`` are all None writes the reduced shard inside its reduce-scatter's
+    body, under one key from step to step; kept ``.grad`` and a divide factor write outside it.
+    Gradients and post-accumulate-grad hooks equal a model without homes or graphs, bit for bit, with
+    each home filled with NaN before every forward as a forward replay may."""
+    run_ranks(_reduce_writes_in_its_graph, 2)
+
+
+def _home_again(info) -> None:
+    homed, _ = build(info.device, vocab=301, n_blocks=3)
+    plain, _ = build(info.device, vocab=301, n_blocks=3)
+    shard(homed)
+    shard(plain)
+    homes = _homed(homed)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (homed, plain)]
+    for step in range(3):
+        if step == 1:  # graphs dropped (a failed capture gives every home up), then graphed again
+            homes.drop()
+            homes = _homed(homed)
+        _before_forward(homes)
+        for model in (homed, plain):
+            local_loss(model, step, info).backward()
+        for p, q in zip(homed.parameters(), plain.parameters()):
+            if p.requires_grad:
+                assert torch.equal(_local(p.grad), _local(q.grad)), step
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_home_given_up_and_taken_again_is_written_where_grad_reads():
+    """The writer's plan (views of the home's pieces) is made for one home: a unit that gives its
+    home up and later takes a new one (graphs dropped, then graphed again) writes the new one."""
+    run_ranks(_home_again, 2)

@@ -217,7 +217,9 @@ class UnitGradients:
                 # (A unit with collective graphs has fixed addresses: graph_modules requires them. So
                 # have a graph's static gradients and the zeros; autograd's own tensors have not.)
                 graphs = self.collective_graphs if fixed and can_replay(self.collective_graphs) else None
-                write = None if parked or graphs is None else self.sharded.fresh_write(current, scale)
+                # (Not with a divide factor: one that changes each step would make a new graph each step.)
+                write = None if parked or graphs is None or self.divide_factor is not None \
+                    else self.sharded.fresh_write(current, scale)
                 self._hand_on(self.reduce.whole(sources, target, written is None, scratch, streams, graphs, write),
                               current, scale)
             else:

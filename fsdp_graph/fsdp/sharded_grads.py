@@ -158,6 +158,7 @@ class ShardedGrads:
             self.homes.members.remove(self)
         self.home = self.homes = None
         self._home_storages = []
+        self._home_rows = HomeRows(self.layout)  # (its plan holds views of the old pieces: a new home needs its own)
 
     def _regrow(self) -> None:
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
