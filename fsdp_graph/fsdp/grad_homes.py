@@ -67,6 +67,7 @@ class HomeRows:
         # The last source's parts, while that tensor object lives (the shared staging's row, the parking
         # buffer: made once; a unit's own staging dies after its reduce, and the parts with it).
         self._source: tuple | None = None  # (weak reference to the source, plan key, its parts)
+        self._addresses: tuple | None = None  # (the home's pieces, their addresses): ``fresh_write``'s key
 
     def views_held(self) -> int:
         """How many views of the pieces the plan keeps (they share the pieces' storage)."""
@@ -94,8 +95,9 @@ class HomeRows:
         """``write`` of a whole shard, fresh, as (key, ``body(values)``) for a collective graph
         (``UnitReduce.whole``): the key is the pieces' addresses and the scale (the source's the
         caller adds), which is all the recorded kernels depend on."""
-        key = (*(piece.data_ptr() for piece in pieces), scale)
-        return key, lambda values: self.write(pieces, 0, values, scale, True)
+        if self._addresses is None or self._addresses[0] is not pieces:  # (a home's pieces never move)
+            self._addresses = (pieces, tuple(piece.data_ptr() for piece in pieces))
+        return (*self._addresses[1], scale), lambda values: self.write(pieces, 0, values, scale, True)
 
     def _parts(self, values: torch.Tensor, sizes: list[int], kept: list[int]) -> list[torch.Tensor]:
         cached = self._source
