@@ -62,6 +62,18 @@ class EagerCollectiveBodies:
         pass
 
 
+class RecordingCollectiveBodies(EagerCollectiveBodies):
+    """The bodies run eagerly, as a graph's first run does; which ran, under which key, is kept
+    (``runs``: (name, key) in order)."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, tuple]] = []
+
+    def run(self, name, key, body) -> None:
+        self.runs.append((name, key))
+        body()
+
+
 def shard_beside_reference(model: nn.Module, inner=(), **kwargs) -> nn.Module:
     """The replicated reference (a deep copy, taken first), then ``fully_shard`` on each module of
     ``inner`` and on ``model`` itself, with ``kwargs``."""
@@ -79,14 +91,20 @@ def assert_same_grads(model: nn.Module, ref: nn.Module) -> None:
         torch.testing.assert_close(grad, q.grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
-def on_fixed_buffers(model: nn.Module, monkeypatch=None) -> None:
-    """Every unit's reduce run as its collective graphs would run it (``EagerCollectiveBodies``):
-    gradients at fixed addresses, on CPU. A CPU build of torch cannot answer whether a stream is
-    capturing: it is told no, through ``monkeypatch`` where given (else in this rank's own process)."""
+def not_capturing(monkeypatch=None) -> None:
+    """A CPU build of torch cannot answer whether a stream is capturing (the engine asks before it
+    runs a collective body through its graphs): it is told no, through ``monkeypatch`` where given
+    (else in this rank's own process)."""
     if monkeypatch is not None:
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     elif not torch.cuda.is_available():
         torch.cuda.is_current_stream_capturing = lambda: False
+
+
+def on_fixed_buffers(model: nn.Module, monkeypatch=None) -> None:
+    """Every unit's reduce run as its collective graphs would run it (``EagerCollectiveBodies``):
+    gradients at fixed addresses, on CPU (``not_capturing``)."""
+    not_capturing(monkeypatch)
     for unit in units_in(model):
         unit.replay_collectives(EagerCollectiveBodies())
 

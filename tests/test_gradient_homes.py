@@ -17,7 +17,7 @@ import torch
 from fsdp_graph.fsdp.capture_interface import GradHomes, root_contexts, units_in
 
 from dist_harness import run_ranks
-from models import EagerCollectiveBodies, build, local_loss, on_fixed_buffers, shard
+from models import RecordingCollectiveBodies, build, local_loss, on_fixed_buffers, shard
 
 pytestmark = pytest.mark.cpu_only  # CPU and gloo: CI runs it; the graphs' half runs in the GPU suite
 
@@ -232,17 +232,6 @@ def test_a_fresh_write_offered_to_the_graphs_equals_the_accumulate_it_replaces()
     run_ranks(_fresh_write_as_accumulate, 2)
 
 
-class _Recording(EagerCollectiveBodies):
-    """The bodies run eagerly, as a graph's first run does; which ran, under which key, is kept."""
-
-    def __init__(self) -> None:
-        self.runs: list[tuple[str, tuple]] = []
-
-    def run(self, name, key, body) -> None:
-        self.runs.append((name, key))
-        body()
-
-
 def _train_reduces(info, graphs: bool, variant: str):
     model, _ = build(info.device, vocab=301, n_blocks=3)
     shard(model)
@@ -250,7 +239,7 @@ def _train_reduces(info, graphs: bool, variant: str):
     if graphs:
         on_fixed_buffers(model)
         for unit in units_in(model):
-            bodies.append(_Recording())
+            bodies.append(RecordingCollectiveBodies())
             unit.replay_collectives(bodies[-1])
     if variant == "divide_factor":
         model.blocks[1].set_gradient_divide_factor(3.0)

@@ -21,7 +21,7 @@ from fsdp_graph.graphs.backward_probe import CONSUMERS, PROBE, engine_runs, retu
 from fsdp_graph.graphs.gradient_handoff import hand_over, plan_handoffs
 
 from dist_harness import run_ranks
-from models import EagerCollectiveBodies, build, local_loss, on_fixed_buffers, shard
+from models import EagerCollectiveBodies, RecordingCollectiveBodies, build, local_loss, on_fixed_buffers, shard
 
 pytestmark = pytest.mark.cpu_only  # CPU and gloo: CI runs it; the real graphs' half runs in the GPU suite
 
@@ -72,17 +72,6 @@ class _Graphed:
         return _Replayed.apply(self, x, *params, PROBE)
 
 
-class _Recording(EagerCollectiveBodies):
-    """The unit's collective bodies, eager, with the keys their graphs would be captured under."""
-
-    def __init__(self) -> None:
-        self.keys: list[tuple] = []
-
-    def run(self, name, key, body) -> None:
-        self.keys.append((name, key))
-        body()
-
-
 def _graphed_model(info, hand: bool):
     """(TinyLM sharded, its reduces as collective graphs would run them, every block "graphed"; its reference)."""
     model, ref = build(info.device, n_blocks=3)
@@ -98,7 +87,7 @@ def _train(info, hand: bool, variant: str):
     bodies = {}
     for block in model.blocks:
         unit = units_in(block)[0]
-        bodies[unit] = _Recording()
+        bodies[unit] = RecordingCollectiveBodies()
         unit.replay_collectives(bodies[unit])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -140,7 +129,7 @@ def _handed_over_like_autograd(info, variant: str) -> None:
         assert unit_buffers(other).grads != (0, 0) or not synced
         assert unit_buffers(unit).grads == (0, 0), f"{unit.name}: {unit_buffers(unit).grads}"
         statics = unit.module.forward.static  # (the _Graphed installed on the block)
-        read = {ptr for name, key in bodies[unit].keys if name == "copy_in" and isinstance(key[0], tuple)
+        read = {ptr for name, key in bodies[unit].runs if name == "copy_in" and isinstance(key[0], tuple)
                 for ptr in key[0]}
         handed = {s.data_ptr() for s in statics[1:] if s is not None}
         assert (handed <= read) == synced, f"{unit.name}: the reduce read {read}, the static buffers are {handed}"

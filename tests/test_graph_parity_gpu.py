@@ -8,12 +8,14 @@ except for the oversized block (it stages its collectives on its own) and where 
 Two variants change the training itself, the same way in both runs: two micro-batches per step
 under ``no_sync`` (the reduce then reads the accumulation buffer), and a full state dict saved at
 one step and loaded back at a later one, after the capture (the masters change in place under
-the replayed all-gathers).
+the replayed all-gathers). A wider vocabulary makes the root reduce through the shared staging in
+pieces, whose reduce-scatters replay as graphs too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import pytest
@@ -22,7 +24,7 @@ import torch.nn as nn
 
 import fsdp_graph
 from fsdp_graph.fsdp.introspect import unit_buffers
-from fsdp_graph.fsdp.registry import units_in
+from fsdp_graph.fsdp.registry import root_contexts, units_in
 
 from dist_harness import run_ranks
 from examples.gpt import GPT, GPTConfig
@@ -41,9 +43,11 @@ SELECTIONS = {
 }
 
 
-def _build(info, oversized_block: bool, mesh_shape: tuple | None = None) -> GPT:
+def _build(info, oversized_block: bool, mesh_shape: tuple | None = None, wide_root: bool = False) -> GPT:
+    """``wide_root``: a vocabulary of 4096 (the batches use its first 512 tokens), so the root unit
+    is wider than the shared staging and reduces through it in pieces."""
     torch.manual_seed(0)
-    model = GPT(CFG)
+    model = GPT(dataclasses.replace(CFG, vocab_size=4096) if wide_root else CFG)
     if oversized_block:  # block 1's MLP is twice as wide: its unit does not fit a slot
         mlp, d = model.blocks[1].mlp, CFG.d_model
         mlp.fc, mlp.proj = nn.Linear(d, 8 * d), nn.Linear(8 * d, d)
@@ -76,7 +80,7 @@ SAVE_AT, LOAD_AT = 5, 12  # the "reload" variant
 
 def _train(info, selection: str | None, oversized_block: bool, graph_at_step: int = 0, mesh_shape=None,
            collective_graphs: bool = True, variant: str | None = None):
-    model = _build(info, oversized_block, mesh_shape)
+    model = _build(info, oversized_block, mesh_shape, wide_root=variant == "wide_root")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     micro_batches = 2 if variant == "accumulate" else 1
     graphed = []
@@ -110,6 +114,8 @@ def _train(info, selection: str | None, oversized_block: bool, graph_at_step: in
     if selection is not None:
         _check_collective_replays(model, selection, oversized_block, STEPS - graph_at_step, collective_graphs,
                                   gradients_dropped=variant != "grads_kept")
+        pieces = check_root_replays(model, STEPS - graph_at_step, collective_graphs)
+        assert (pieces > 0) == (variant == "wide_root"), f"the root reduces in {pieces} pieces"
     return torch.stack(losses), fsdp_graph.full_state_dict(model)
 
 
@@ -144,6 +150,21 @@ def _check_collective_replays(model: GPT, selection: str, oversized_block: bool,
             assert not replays, f"block {i} replayed {replays} FSDP steps but may not"
 
 
+def check_root_replays(model: nn.Module, steps: int, on: bool) -> int:
+    """A root that reduces in pieces through the shared staging replayed each piece's reduce-scatter
+    from the second step on (and nothing else); other roots replay nothing. Returns its pieces."""
+    root = root_contexts(model)[0].root
+    pieces = root.grads.reduce.pieces(root.param_group.scratch) or []
+    graphs = root.grads.collective_graphs
+    replays = {} if graphs is None else graphs.replays
+    if on and pieces:
+        assert set(replays) == {"reduce_scatter_piece"}, replays
+        assert replays["reduce_scatter_piece"] >= (steps - 1) * len(pieces), (replays, len(pieces), steps)
+    else:
+        assert not replays, f"the root replayed {replays} but may not"
+    return len(pieces)
+
+
 def _eager_and_graphed_agree(info, selection: str, oversized_block: bool, graph_at_step: int,
                              mesh_shape=None, collective_graphs: bool = True, variant: str | None = None) -> None:
     torch.use_deterministic_algorithms(True)  # flash attention's backward is otherwise nondeterministic
@@ -172,6 +193,9 @@ def _eager_and_graphed_agree(info, selection: str, oversized_block: bool, graph_
         ("blocks", False, 0, None, True, "accumulate"),  # no_sync: the reduce reads the accumulation buffer
         ("blocks", False, 0, None, True, "reload"),  # a state dict loaded into the masters after the capture
         ("blocks", False, 0, None, True, "grads_kept"),  # zero_grad(set_to_none=False): out of the pool's homes
+        ("blocks", False, 0, None, True, "wide_root"),  # the root reduces in pieces: their reduce-scatters replay
+        ("blocks", False, 0, (2, 1), True, "wide_root"),  # ... each all-reduced across HSDP replicas
+        ("blocks", False, 0, None, False, "wide_root"),  # ... or run eagerly
     ],
 )
 def test_graphed_training_is_bitwise_equal_to_eager(selection, oversized_block, graph_at_step, mesh_shape,

@@ -9,13 +9,22 @@ import pytest
 import torch
 
 import fsdp_graph
-from fsdp_graph.fsdp.capture_interface import units_in
+from fsdp_graph.fsdp.capture_interface import replayable_roots, root_contexts, units_in
 from fsdp_graph.fsdp.flat_layout import FlatLayout
 from fsdp_graph.fsdp.introspect import unit_buffers
 from fsdp_graph.fsdp.reduce_pieces import copy_piece_in, plan_pieces
 
 from dist_harness import run_ranks
-from models import assert_same_grads, build, global_batch, lm_loss, local_loss, shard
+from models import (
+    RecordingCollectiveBodies,
+    assert_same_grads,
+    build,
+    global_batch,
+    lm_loss,
+    local_loss,
+    not_capturing,
+    shard,
+)
 
 pytestmark = pytest.mark.cpu_only  # CPU and gloo on any machine (three ranks): CI runs it; the GPU suite need not
 
@@ -76,7 +85,8 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _train_wide_root(info, mesh_shape: tuple | None) -> None:
-    """Three models: sharded (the root reduced in pieces), sharded with the root reduced whole (its
+    """Three models: sharded (the root reduced in pieces, its bodies run through collective graphs,
+    which here run them eagerly and record their keys), sharded with the root reduced whole (its
     plan made while ``plan_pieces`` answers None), and the replicated reference. ``mesh_shape``:
     HSDP's (replicate, shard), each piece all-reduced across the replicas."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -91,6 +101,13 @@ def _train_wide_root(info, mesh_shape: tuple | None) -> None:
     shard(model, **kwargs)
     shard(whole, **kwargs)
     models = (model, whole, ref)
+    bodies = RecordingCollectiveBodies()
+    not_capturing()
+    assert replayable_roots(root_contexts(model)) == [model.fsdp_unit]  # (also plans the staging)
+    model.fsdp_unit.replay_collectives(bodies)
+    scratch = model.fsdp_unit.param_group.scratch
+    pieces = model.fsdp_unit.grads.reduce.pieces(scratch)
+    assert pieces is not None and any(p.rows is not None for p in pieces) and len(pieces) > 2, pieces
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
 
     def backward_all(step: int) -> None:
@@ -123,12 +140,13 @@ def _train_wide_root(info, mesh_shape: tuple | None) -> None:
         for name, p, _, q in trained:  # several ranks: summed in another order than the reference
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{how} {name}: {m}")
-        if step == 0:  # (the staging is planned at the first forward)
+        # Each piece's reduce-scatter (and nothing else) went through the root's graphs, keyed by the
+        # staging and the piece's size: a graph per size, replayed at every step after the first two.
+        runs, bodies.runs = bodies.runs, []
+        assert runs == [("reduce_scatter_piece", (scratch.reduce_in.data_ptr(), p.numel)) for p in pieces], runs
+        if step == 0:
             root = model.fsdp_unit
-            scratch = root.param_group.scratch
-            pieces = root.grads.reduce.pieces(scratch)
-            assert pieces is not None and whole.fsdp_unit.grads.reduce.pieces(scratch) is None
-            assert any(p.rows is not None for p in pieces) and len(pieces) > 2, pieces
+            assert whole.fsdp_unit.grads.reduce.pieces(scratch) is None
             assert unit_buffers(root).own_staging_bytes == root.param_group.layout.gathered_numel * 4  # the gather's
         for opt in opts:
             opt.step()

@@ -3,7 +3,8 @@
 The sharded GPT in bf16 (fp32 reduce) trains eagerly and with ``GraphConfig(strategy="layer",
 segment_size=k)`` for k = 2 and 3 (4 blocks: two segments of two; one of three and one of one),
 with clipping and the capturable AdamW step: every loss and the final weights equal bit for bit.
-So do a block too wide for the slots, a hand-written loop that calls ``graph_segments`` after three
+So do a block too wide for the slots, a root too wide for the shared staging (its reduce-scatters
+replayed as collective graphs between the segments), a hand-written loop that calls ``graph_segments`` after three
 eager steps (``zero_grad(set_to_none=False)``, so the gradients the replay accumulates into are
 kept), the gradient settings a user may change after graphing (a divide factor, a
 post-accumulate-grad hook, a replaced ``.grad``; the sharded gradients given back by
@@ -36,7 +37,7 @@ from fsdp_graph.fsdp.registry import units_in
 from fsdp_graph.graphs.module_graphs import record_sample_args
 
 from dist_harness import run_ranks
-from test_graph_parity_gpu import CFG, _batch, _build
+from test_graph_parity_gpu import CFG, _batch, _build, check_root_replays
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 STEPS, WARMUP = 12, 2
@@ -46,8 +47,8 @@ def _ranks() -> int:
     return min(2, torch.cuda.device_count())
 
 
-def _train_step(info, segment_size: int | None, oversized_block: bool = False):
-    model = _build(info, oversized_block)
+def _train_step(info, segment_size: int | None, oversized_block: bool = False, wide_root: bool = False):
+    model = _build(info, oversized_block, wide_root=wide_root)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
     config = GraphConfig() if segment_size is None else GraphConfig(
         strategy="layer", segment_size=segment_size, num_warmup_iters=WARMUP)
@@ -59,6 +60,7 @@ def _train_step(info, segment_size: int | None, oversized_block: bool = False):
         assert len(segments) == -(-CFG.n_layers // segment_size)
         assert all(s.replays == STEPS for s in segments), [s.replays for s in segments]  # no silent eager
         _assert_chained(list(segments))
+        assert (check_root_replays(model, STEPS, True) > 0) == wide_root  # (a wide root's reduce-scatters replay)
     model.eval()
     with torch.no_grad():
         logits = model(_batch(STEPS, info)[0])
@@ -92,6 +94,10 @@ def _segments_match_eager(info) -> None:
     # Block 1 is twice as wide: no slot, a buffer of its own, gather staging of its own inside the graph,
     # its reduce in pieces through the shared staging.
     _compare("segment_size=2, an oversized block", _train_step(info, 2, True), _train_step(info, None, True))
+    # A wider vocabulary: the root reduces in pieces through the shared staging, and their
+    # reduce-scatters replay as collective graphs between the segments.
+    _compare("segment_size=2, a wide root", _train_step(info, 2, wide_root=True),
+             _train_step(info, None, wide_root=True))
 
 
 def test_segment_graphs_train_bitwise_as_eager():

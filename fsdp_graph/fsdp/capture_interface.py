@@ -23,7 +23,8 @@ The graph wrapper meets FSDP through the sentinel protocol (``hooks.py``) and th
 * replays on a caller's stream that joined it early (``note_replay_tail``, ``wait_for_replay_tails``):
   the side streams, and the caller's stream at the next graph call, wait on those replays' ends;
 * collective graphs (``replay_collectives``): the graph strategies replay the units' unshard and
-  reduce bodies as small CUDA graphs on their side streams;
+  reduce bodies as small CUDA graphs on their side streams, and those of the roots no graph
+  encloses (``replayable_roots``);
 * for segment graphs (several units' steps captured, eager code around them): the unit hooks
   (``unit_hooks``) to take off, ``run_as_forward`` to run a unit's steps by hand, and per unit
   ``segmented`` (no prefetch from outside), ``param_group`` (its slot, ``evict``; its
@@ -91,6 +92,7 @@ __all__ = [
     "pre_forward_unshard",
     "release_before_destroy",
     "replay_collectives",
+    "replayable_roots",
     "require_fixed_addresses",
     "root_contexts",
     "run_as_forward",
@@ -116,6 +118,16 @@ def require_fixed_addresses(unit: FSDPUnit, what: str) -> None:
             "re-allocated per unshard and move between iterations, but a CUDA graph replays fixed addresses. "
             "Pass double_buffer=True and persist_buffer_on_alloc_fail=True to fully_shard (the defaults)."
         )
+
+
+def replayable_roots(contexts) -> list[FSDPUnit]:
+    """The root units of ``contexts`` that reduce through the shared staging in pieces, at fixed
+    addresses. No graph of the layer strategies encloses a root, so its steps stay eager between
+    them, and its reduce in pieces is the largest of them on the host; each piece's reduce-scatter
+    touches only the staging, so it replays with no memory of its own. (A root that fits the staging
+    would need a persistent gradient buffer for its copy-in to replay: it stays eager.)"""
+    return [ctx.root for ctx in contexts
+            if ctx.root.config.fixed_addresses and ctx.root.grads.reduce.pieces(ctx.root.param_group.scratch)]
 
 
 def replay_collectives(units: list[FSDPUnit], enabled: bool | None) -> None:

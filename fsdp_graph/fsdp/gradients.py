@@ -19,7 +19,8 @@ Before the unit's backward, ``prepare`` chooses where its gradients go:
 After the backward, ``reduce`` copies the gradients into the shared reduce staging in rank order,
 casting to ``reduce_dtype`` (one ``_chunk_cat`` kernel), reduce-scatters it, all-reduces across
 HSDP replicas, and averages the result into the masters' ``.grad`` (accumulated if already set,
-as autograd does). A unit larger than the staging does so piece by piece (``reduce_pieces.py``).
+as autograd does). A unit larger than the staging does so piece by piece (``reduce_pieces.py``;
+with collective graphs, each piece's reduce-scatter replays, keyed by the staging and its size).
 The masters' ``.grad`` live in ``sharded_grads.py``: views of one buffer per unit that follows
 ``zero_grad(set_to_none=...)`` as FSDP2's do (given back when every ``.grad`` was set to None, made
 again by the next reduce), or stays for good once pinned by a whole-step graph.
@@ -224,7 +225,8 @@ class UnitGradients:
                               current, scale)
             else:
                 try:
-                    self._hand_on(self.reduce.in_pieces(pieces, sources, scratch.reduce_in), current, scale)
+                    graphs = self.collective_graphs if can_replay(self.collective_graphs) else None
+                    self._hand_on(self.reduce.in_pieces(pieces, sources, scratch.reduce_in, graphs), current, scale)
                     if written is None:
                         target.tensor[: self.layout.unsharded_numel].zero_()  # for the next backward, off its path
                 finally:  # (also after a failed collective: what was queued reading the target is covered)

@@ -10,6 +10,7 @@ across replicas. ``UnitGradients`` decides where the gradients come from and whe
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -89,16 +90,23 @@ class UnitReduce:
             graphs.run("reduce_scatter", key, reduce_scatter)
         return [(0, reduced)]
 
-    def in_pieces(self, pieces: list[ReducePiece], sources: list[torch.Tensor],
-                  reduce_in: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    def in_pieces(self, pieces: list[ReducePiece], sources: list[torch.Tensor], reduce_in: torch.Tensor,
+                  graphs: CollectiveGraphs | None) -> Iterator[tuple[int, torch.Tensor]]:
         """Each piece copied into the shared staging, reduce-scattered in place, and handed on
-        (``ShardedGrads.accumulate`` reads it before the next piece overwrites the staging)."""
+        (``ShardedGrads.accumulate`` reads it before the next piece overwrites the staging).
+        ``graphs``: the unit's collective graphs, which replay each piece's reduce-scatter (it reads
+        and writes only the staging, so its key is the staging and the piece's size; the copy-in
+        reads autograd's own tensors and stays eager, as does the write)."""
         world, rank = self.layout.world_size, self.layout.rank
         for piece in pieces:
             by_rank = reduce_in[: world * piece.numel].view(world, piece.numel)
             copy_piece_in(self.layout, piece, sources, by_rank)
             if self.group is not None or self.replicate_group is not None:
-                self._reduce_scatter(by_rank.view(-1), by_rank[rank])
+                reduce_scatter = partial(self._reduce_scatter, by_rank.view(-1), by_rank[rank])
+                if graphs is None:
+                    reduce_scatter()
+                else:
+                    graphs.run("reduce_scatter_piece", (reduce_in.data_ptr(), piece.numel), reduce_scatter)
             yield piece.start, by_rank[rank]
 
     def _copy_in(self, sources: list[torch.Tensor], by_rank: torch.Tensor, target: GradBuffer) -> None:

@@ -18,7 +18,8 @@ For every module, in this order:
    submodules can no longer be added (they would never run).
 5. With ``collective_graphs`` (on unless a call chose False), the enclosing units' unshard and reduce bodies are
    replayed as small graphs on their side streams too (``fsdp/collective_graphs.py``): the hooks
-   between the graphed layers then cost one replay each instead of four to six launches.
+   between the graphed layers then cost one replay each instead of four to six launches. So do
+   the reduce-scatters of a root that reduces in pieces (``replayable_roots``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..fsdp.capture_interface import (
     pre_backward_handler,
     pre_forward_unshard,
     replay_collectives,
+    replayable_roots,
     require_fixed_addresses,
     root_contexts,
     units_in,
@@ -267,9 +269,10 @@ def graph_modules(
 
     ``collective_graphs``: replay the enclosing FSDP units' unshard (cast, all-gather, copy-out)
     and reduce (copy-in, zeroing, reduce-scatter) as CUDA graphs on their side streams, captured
-    at their second run; False runs them eagerly (NCCL's watchdog then times them out). The setting
-    is per unit: None (the default) keeps what an earlier call chose for a unit and is True for a
-    unit no call has chosen for; True or False set it again.
+    at their second run, and so does a wider root's reduce-scatter of each piece through the shared
+    staging; False runs them eagerly (NCCL's watchdog then times them out). The setting is per
+    unit: None (the default) keeps what an earlier call chose for a unit and is True for a unit no
+    call has chosen for; True or False set it again.
 
     ``replay_stream`` / ``join_event``: replay the graphs on that stream by default, the caller's
     stream joining at the end of each replay or, for a forward, at ``join_event`` (a ``JoinEvent``
@@ -315,7 +318,8 @@ def graph_modules(
                 None, None, pool, eager, forward_only, replay_stream=replay_stream, join_event=join_event,
                 links=chained_inputs,
             )
-    replay_collectives(list({id(u): u for u in units if u is not None}.values()), collective_graphs)
+    replayed = [u for u in units if u is not None] + replayable_roots(roots.values())
+    replay_collectives(list({id(u): u for u in replayed}.values()), collective_graphs)
     for module, name, runner in zip(modules, names, graphed):
         pin_addresses(module, "graph_modules")
         module.forward = runner

@@ -25,7 +25,8 @@ For every segment (``segment_size`` consecutive modules of ``modules``, in execu
    (``chained_buffers.py``): no static copy of either.
 5. Install: the units' hooks come off their modules for good, each module's ``forward`` becomes
    its place in the segment (``graphed_segment.py``), and nothing outside a segment prefetches
-   its units any more.
+   its units any more. The root's steps stay eager between the segments, but a root that reduces
+   in pieces replays each piece's reduce-scatter as a collective graph (``replayable_roots``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from ..fsdp.capture_interface import (
     enclosing_unit,
     master_owner,
     pin_addresses,
+    replay_collectives,
+    replayable_roots,
     require_fixed_addresses,
     root_contexts,
     unit_hooks,
@@ -227,6 +230,7 @@ def graph_segments(
         raise
     for segment in segments:
         _install(segment)
+    replay_collectives(replayable_roots(contexts), None)  # (the root's steps stay outside the segments)
     return segments
 
 
