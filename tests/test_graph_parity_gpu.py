@@ -114,7 +114,9 @@ def _train(info, selection: str | None, oversized_block: bool, graph_at_step: in
     if selection is not None:
         _check_collective_replays(model, selection, oversized_block, STEPS - graph_at_step, collective_graphs,
                                   gradients_dropped=variant != "grads_kept")
-        pieces = check_root_replays(model, STEPS - graph_at_step, collective_graphs)
+        root = root_contexts(model)[0].root
+        pieces = check_piece_replays(root, STEPS - graph_at_step, collective_graphs)
+        assert pieces or root.grads.collective_graphs is None, "a root that fits the staging stays eager"
         assert (pieces > 0) == (variant == "wide_root"), f"the root reduces in {pieces} pieces"
     return torch.stack(losses), fsdp_graph.full_state_dict(model)
 
@@ -146,22 +148,24 @@ def _check_collective_replays(model: GPT, selection: str, oversized_block: bool,
             # Each body runs eagerly once and is captured (and replayed) at its second run.
             for name, least in (("unshard", steps - 1), ("copy_in", steps - 1), reduce):
                 assert replays.get(name, 0) >= least, f"block {i} replayed {replays} in {steps} steps"
+        elif on and i in graphed_blocks:  # (too wide for the slots: it stages on its own, but reduces in pieces)
+            assert check_piece_replays(unit, steps, on) > 0, f"block {i} should reduce in pieces"
         else:
             assert not replays, f"block {i} replayed {replays} FSDP steps but may not"
 
 
-def check_root_replays(model: nn.Module, steps: int, on: bool) -> int:
-    """A root that reduces in pieces through the shared staging replayed each piece's reduce-scatter
-    from the second step on (and nothing else); other roots replay nothing. Returns its pieces."""
-    root = root_contexts(model)[0].root
-    pieces = root.grads.reduce.pieces(root.param_group.scratch) or []
-    graphs = root.grads.collective_graphs
+def check_piece_replays(unit, steps: int, on: bool) -> int:
+    """A unit that reduces in pieces through the shared staging replayed each piece's reduce-scatter
+    from the second step on, and nothing else (its unshard and copy-in stage on their own or read
+    autograd's tensors), with collective graphs ``on``; nothing without. Returns its pieces."""
+    pieces = unit.grads.reduce.pieces(unit.param_group.scratch) or []
+    graphs = unit.grads.collective_graphs
     replays = {} if graphs is None else graphs.replays
     if on and pieces:
-        assert set(replays) == {"reduce_scatter_piece"}, replays
-        assert replays["reduce_scatter_piece"] >= (steps - 1) * len(pieces), (replays, len(pieces), steps)
-    else:
-        assert not replays, f"the root replayed {replays} but may not"
+        assert set(replays) == {"reduce_scatter_piece"}, (unit.name, replays)
+        assert replays["reduce_scatter_piece"] >= (steps - 1) * len(pieces), (unit.name, replays, len(pieces), steps)
+    elif pieces:
+        assert not replays, f"{unit.name} replayed {replays} but may not"
     return len(pieces)
 
 

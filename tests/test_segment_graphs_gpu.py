@@ -37,7 +37,7 @@ from fsdp_graph.fsdp.registry import units_in
 from fsdp_graph.graphs.module_graphs import record_sample_args
 
 from dist_harness import run_ranks
-from test_graph_parity_gpu import CFG, _batch, _build, check_root_replays
+from test_graph_parity_gpu import CFG, _batch, _build, check_piece_replays
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 STEPS, WARMUP = 12, 2
@@ -60,7 +60,8 @@ def _train_step(info, segment_size: int | None, oversized_block: bool = False, w
         assert len(segments) == -(-CFG.n_layers // segment_size)
         assert all(s.replays == STEPS for s in segments), [s.replays for s in segments]  # no silent eager
         _assert_chained(list(segments))
-        assert (check_root_replays(model, STEPS, True) > 0) == wide_root  # (a wide root's reduce-scatters replay)
+        root = units_in(model)[0]  # (a wide root's reduce-scatters replay between the segments)
+        assert (check_piece_replays(root, STEPS, True) > 0) == wide_root
     model.eval()
     with torch.no_grad():
         logits = model(_batch(STEPS, info)[0])
