@@ -1,7 +1,10 @@
 """Host cost of what ShardedGrads.accumulate does with no write (set 12 masters' .grad), on CPU and
 CUDA tensors, plain and DTensor, and a pure-Python baseline: is the H200 host slow, or CUDA's setter?
-Run: torchrun --standalone --nproc-per-node 1 .probe/setter_probe.py"""
-import time, os
+Run: torchrun --standalone --nproc-per-node 1 setter_probe.py"""
+import os
+import platform
+import time
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -31,7 +34,8 @@ for dev in devices:
     flat = torch.zeros(N * 1000, device=dev)
     views = [flat[i * 1000:(i + 1) * 1000] for i in range(N)]
     params = [torch.nn.Parameter(torch.zeros(1000, device=dev)) for _ in range(N)]
-    dparams = [torch.nn.Parameter(DTensor.from_local(torch.zeros(1000, device=dev), mesh, [Shard(0)])) for _ in range(N)]
+    dparams = [torch.nn.Parameter(DTensor.from_local(torch.zeros(1000, device=dev), mesh, [Shard(0)]))
+               for _ in range(N)]
     dviews = [DTensor.from_local(v, mesh, [Shard(0)]) for v in views]
     def set_plain():
         for p, v in zip(params, views):
@@ -62,10 +66,9 @@ for dev in devices:
              (f"{dev}: one add_ (launch)", per_call(launch))]
     if dev == "cuda":
         torch.cuda.synchronize()
-import platform
 print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
 try:
-    print([l for l in open('/proc/cpuinfo') if l.startswith('model name')][0].strip())
+    print([line for line in open('/proc/cpuinfo') if line.startswith('model name')][0].strip())
 except Exception:
     pass
 for name, us in rows:
