@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fsdp_graph
-from fsdp_graph.fsdp.capture_interface import replayable_roots, root_contexts, units_in
+from fsdp_graph.fsdp.capture_interface import replay_collectives, replayable_roots, root_contexts, units_in
 from fsdp_graph.fsdp.flat_layout import FlatLayout
 from fsdp_graph.fsdp.introspect import unit_buffers
 from fsdp_graph.fsdp.reduce_pieces import copy_piece_in, plan_pieces
@@ -169,3 +169,26 @@ def test_the_whole_model_as_one_unit_keeps_staging_of_its_own():
     lm_loss(ref, idx, targets).backward()
     assert model.fsdp_unit.grads.reduce.pieces(model.fsdp_unit.param_group.scratch) is None
     assert_same_grads(model, ref)
+
+
+def test_only_a_root_that_reduces_in_pieces_at_fixed_addresses_is_replayed_and_an_earlier_choice_holds():
+    """``replayable_roots``: a root wider than the shared staging, with persistent buffers; not one that
+    fits the staging (its copy-in could replay only from a persistent gradient buffer), nor one sharded
+    without persistent buffers. A root a call switched to eager stays so under a later default."""
+    cpu = torch.device("cpu")
+    wide = shard(build(cpu, vocab=301, n_blocks=2)[0])
+    narrow = shard(build(cpu, vocab=7, n_blocks=2)[0])
+    loose = build(cpu, vocab=301, n_blocks=2)[0]
+    for block in loose.blocks:
+        fsdp_graph.fully_shard(block)
+    fsdp_graph.fully_shard(loose, double_buffer=False)
+    contexts = root_contexts(wide)
+    assert replayable_roots(contexts) == [wide.fsdp_unit]
+    assert replayable_roots(root_contexts(narrow)) == [] and replayable_roots(root_contexts(loose)) == []
+    assert narrow.fsdp_unit.grads.reduce.pieces(narrow.fsdp_unit.param_group.scratch) is None
+    assert loose.fsdp_unit.grads.reduce.pieces(loose.fsdp_unit.param_group.scratch) is not None
+    replay_collectives(replayable_roots(contexts), False)  # graph_modules(..., collective_graphs=False)
+    replay_collectives(replayable_roots(contexts), None)  # then graph_segments(...) with the default
+    assert wide.fsdp_unit.grads.collective_graphs is None
+    replay_collectives(replayable_roots(contexts), True)
+    assert wide.fsdp_unit.grads.collective_graphs is not None

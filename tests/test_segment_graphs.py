@@ -26,8 +26,11 @@ def test_segment_size_is_checked_and_belongs_to_layer_graphs():
             validate_graph_config(GraphConfig(strategy="layer", segment_size=size), model)
     with pytest.raises(ValueError, match="segment_size=2 groups the blocks of strategy='layer'.*Use strategy='layer'"):
         validate_graph_config(GraphConfig(strategy="full_iteration", segment_size=2), model)
-    with pytest.raises(ValueError, match="collective_graphs=False with segment_size=2.*Drop collective_graphs"):
-        validate_graph_config(GraphConfig(strategy="layer", collective_graphs=False, segment_size=2), model)
+    for choice in (True, False):  # accepted (the root's reduce-scatters in pieces, outside the segments):
+        with pytest.raises(RuntimeError, match="needs CUDA"):  # what remains to refuse on a CPU machine
+            validate_graph_config(GraphConfig(strategy="layer", collective_graphs=choice, segment_size=2), model)
+    with pytest.raises(TypeError, match="graph_segments: collective_graphs must be True, False or None, got 'no'"):
+        fsdp_graph.graph_segments(list(model.blocks), _samples(model), segment_size=2, collective_graphs="no")
     with pytest.raises(ValueError, match="forward_only='layer'.*Use forward_only='model'.*or 'none'"):
         validate_graph_config(GraphConfig(strategy="layer", forward_only="layer", segment_size=2), model)
 

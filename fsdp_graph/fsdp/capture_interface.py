@@ -121,11 +121,12 @@ def require_fixed_addresses(unit: FSDPUnit, what: str) -> None:
 
 
 def replayable_roots(contexts) -> list[FSDPUnit]:
-    """The root units of ``contexts`` that reduce through the shared staging in pieces, at fixed
-    addresses. No graph of the layer strategies encloses a root, so its steps stay eager between
-    them, and its reduce in pieces is the largest of them on the host; each piece's reduce-scatter
-    touches only the staging, so it replays with no memory of its own. (A root that fits the staging
-    would need a persistent gradient buffer for its copy-in to replay: it stays eager.)"""
+    """The root units of ``contexts`` that reduce through the shared staging in pieces and have
+    persistent buffers. Where no graph of the layer strategies encloses a root, its steps stay eager
+    between them, and its reduce in pieces is the largest of them on the host; each piece's
+    reduce-scatter touches only the staging, so it replays with no memory of its own. (A root that
+    fits the staging would need a persistent gradient buffer for its copy-in to replay: it stays
+    eager. So does one sharded without persistent buffers: it was not made ready for graphs.)"""
     return [ctx.root for ctx in contexts
             if ctx.root.config.fixed_addresses and ctx.root.grads.reduce.pieces(ctx.root.param_group.scratch)]
 

@@ -105,7 +105,7 @@ class CollectiveGraphs:
                 raise CollectiveGraphCaptureError(
                     f"FSDP unit {self.unit}: capturing its {name} as a CUDA graph failed: {err}. This body runs "
                     "eagerly from now on. GraphConfig(collective_graphs=False) (graph_modules(collective_graphs="
-                    "False)) keeps every unit's unshard and reduce eager."
+                    "False), graph_segments(collective_graphs=False)) keeps every unit's unshard and reduce eager."
                 ) from err
             self._graphs[entry] = graph
             hold(self)

@@ -26,7 +26,8 @@ For every segment (``segment_size`` consecutive modules of ``modules``, in execu
 5. Install: the units' hooks come off their modules for good, each module's ``forward`` becomes
    its place in the segment (``graphed_segment.py``), and nothing outside a segment prefetches
    its units any more. The root's steps stay eager between the segments, but a root that reduces
-   in pieces replays each piece's reduce-scatter as a collective graph (``replayable_roots``).
+   in pieces replays each piece's reduce-scatter as a collective graph (``replayable_roots``;
+   ``collective_graphs=False`` keeps them eager).
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ def graph_segments(
     pool=None,
     replay_stream: torch.cuda.Stream | None = None,
     chained_inputs: Links | None = None,
+    collective_graphs: bool | None = None,
 ) -> list[GraphedSegment]:
     """Graph ``modules`` (FSDP blocks, in the order the model calls them, e.g. ``list(model.blocks)``)
     ``segment_size`` at a time, each segment as one forward and one backward graph with its FSDP
@@ -175,9 +177,16 @@ def graph_segments(
     a segment's first block received the previous block's output itself, the two segments share
     that buffer and its gradient's (``chained_buffers.py``), and a call passing another tensor there
     is refused; ``make_train_step`` passes them unless ``GraphConfig(chain_static_buffers=False)``.
+
+    ``collective_graphs``: the root's steps stay eager between the segments; a root that reduces in
+    pieces through the shared staging replays each piece's reduce-scatter as a small graph, as
+    ``graph_modules(collective_graphs=)`` does (False: eagerly, timed by NCCL's watchdog; None:
+    as an earlier call chose for the root, else on).
     """
     if not isinstance(segment_size, int) or isinstance(segment_size, bool) or segment_size < 1:
         raise ValueError(f"graph_segments: segment_size must be an int >= 1, got {segment_size!r}")
+    if collective_graphs is not None and not isinstance(collective_graphs, bool):
+        raise TypeError(f"graph_segments: collective_graphs must be True, False or None, got {collective_graphs!r}")
     if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
         raise ValueError(f"graph_segments: num_warmup_iters must be an int >= 1, got {num_warmup_iters!r}")
     modules = list(modules)
@@ -230,7 +239,7 @@ def graph_segments(
         raise
     for segment in segments:
         _install(segment)
-    replay_collectives(replayable_roots(contexts), None)  # (the root's steps stay outside the segments)
+    replay_collectives(replayable_roots(contexts), collective_graphs)  # (the root's steps stay outside them)
     return segments
 
 

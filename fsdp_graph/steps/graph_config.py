@@ -5,7 +5,9 @@ Independent settings (after Megatron's split):
 * ``strategy``, for training: ``"none"`` (eager), ``"layer"`` (the selected modules are graphed,
   FSDP's unshard/reshard and everything else run between them: ``graph_modules``; with
   ``collective_graphs`` (on unless False; None keeps an earlier step's choice), the units' unshard
-  and reduce bodies are replayed as small graphs of their own on the side streams) or
+  and reduce bodies are replayed as small graphs of their own on the side streams; with segments,
+  whose blocks' FSDP steps are inside their graphs, it covers the root's: each piece's
+  reduce-scatter of a root that reduces in pieces) or
   ``"full_iteration"`` (forward, loss, backward, the FSDP collectives and optionally the
   optimizer step as one graph: ``graph_train_step``);
 * ``modules``, which modules ``"layer"`` graphs: a module class, a tuple of classes, a predicate
@@ -61,7 +63,7 @@ class GraphConfig:
     forward_only: str = "none"
     num_warmup_iters: int = 3  # eager passes before capture (>= 2 also proves the code free of host syncs)
     collective_graphs: bool | None = None  # "layer": the units' unshard/reduce replayed as graphs too (None:
-    # as an earlier step chose for them, else True)
+    # as an earlier step chose for them, else True; with segments, the root's reduce-scatters in pieces)
     replay_stream: torch.cuda.Stream | None = None  # every graph the step makes replays there (replay_on overrides)
     segment_size: int = 1  # "layer": k > 1 graphs k consecutive blocks per graph, their FSDP steps inside
     optimizer_graph: bool = False  # "layer": clipping and the optimizer step replayed as graphs of their own
@@ -101,11 +103,6 @@ def validate_graph_config(config: GraphConfig | None, model: nn.Module) -> Graph
         raise ValueError(
             f"GraphConfig: segment_size={size} groups the blocks of strategy='layer' into segment graphs, but the "
             f"strategy is {strategy!r}. Use strategy='layer', or drop segment_size."
-        )
-    if size > 1 and config.collective_graphs is not None:
-        raise ValueError(
-            f"GraphConfig: collective_graphs={config.collective_graphs} with segment_size={size}: a segment's FSDP "
-            "steps are inside its graphs already, so there is nothing to choose. Drop collective_graphs."
         )
     if size > 1 and forward_only == "layer":
         raise ValueError(

@@ -105,7 +105,8 @@ def _graph_layers(config: GraphConfig, modules: list, samples: SampleCalls) -> N
     if config.segment_size > 1:
         graph_segments(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
                        segment_size=config.segment_size, num_warmup_iters=config.num_warmup_iters,
-                       replay_stream=config.replay_stream, chained_inputs=chained)
+                       replay_stream=config.replay_stream, chained_inputs=chained,
+                       collective_graphs=config.collective_graphs)
     else:
         graph_modules(modules, [a for a, _ in samples], sample_kwargs=[k for _, k in samples],
                       num_warmup_iters=config.num_warmup_iters, collective_graphs=config.collective_graphs,
