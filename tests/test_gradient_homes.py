@@ -255,17 +255,26 @@ def _train_reduces(info, graphs: bool, variant: str):
         grads.append([_local(p.grad).clone() for p in model.parameters() if p.requires_grad])
         opt.step()
         opt.zero_grad(set_to_none=variant != "grads_kept")
-    return grads, hooked, bodies
+    root = model.fsdp_unit
+    return grads, hooked, bodies, root.grads.reduce.pieces(root.param_group.scratch)
 
 
 def _reduce_writes_in_its_graph(info) -> None:
     for variant in ("grads_dropped", "grads_kept", "divide_factor"):
-        graphed, hooked, bodies = _train_reduces(info, True, variant)
-        eager, eager_hooked, _ = _train_reduces(info, False, variant)
+        graphed, hooked, bodies, pieces = _train_reduces(info, True, variant)
+        eager, eager_hooked, _, _ = _train_reduces(info, False, variant)
         for step, (a, b) in enumerate(zip(graphed, eager)):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), (variant, step)
         assert len(hooked) == 4 and all(torch.equal(x, y) for x, y in zip(hooked, eager_hooked)), variant
-        blocks = bodies[1:]  # (the root goes through the staging in pieces, eagerly)
+        # The root goes through the staging in pieces: each piece's reduce-scatter and write in one
+        # body, under one key per piece from step to step, where its .grad were all None.
+        assert pieces is not None and len(pieces) > 2, pieces
+        combined = [key for name, key in bodies[0].runs if name == "reduce_scatter_and_write_piece"]
+        alone = [key for name, key in bodies[0].runs if name == "reduce_scatter_piece"]
+        steps_fresh = 1 if variant == "grads_kept" else 4
+        assert len(combined) == steps_fresh * len(pieces) and len(set(combined)) == len(pieces), (variant, combined)
+        assert len(alone) == (4 - steps_fresh) * len(pieces), (variant, bodies[0].runs)
+        blocks = bodies[1:]
         for i, recorded in enumerate(blocks):
             combined = [key for name, key in recorded.runs if name == "reduce_scatter_and_write"]
             if variant == "grads_dropped" or (variant == "divide_factor" and i != 1):
@@ -279,7 +288,8 @@ def _reduce_writes_in_its_graph(info) -> None:
 def test_a_homed_units_reduce_writes_the_shard_in_its_reduce_scatter_graph_bitwise_as_eagerly():
     """With collective graphs (their bodies run eagerly here, at fixed addresses as for real graphs)
     a homed unit whose ``.grad`` are all None writes the reduced shard inside its reduce-scatter's
-    body, under one key from step to step; kept ``.grad`` and a divide factor write outside it.
+    body, under one key from step to step (the root, which reduces in pieces, each piece's rows in
+    that piece's body); kept ``.grad`` and a divide factor write outside it.
     Gradients and post-accumulate-grad hooks equal a model without homes or graphs, bit for bit, with
     each home filled with NaN before every forward as a forward replay may."""
     run_ranks(_reduce_writes_in_its_graph, 2)
@@ -311,3 +321,19 @@ def test_a_home_given_up_and_taken_again_is_written_where_grad_reads():
     """The writer's plan (views of the home's pieces) is made for one home: a unit that gives its
     home up and later takes a new one (graphs dropped, then graphed again) writes the new one."""
     run_ranks(_home_again, 2)
+
+
+def test_the_capture_homes_each_block_after_its_backward_and_a_root_in_pieces_after_the_last():
+    """Per-layer graphs home a unit's gradients after the backward capture of its first module (the
+    last of its modules captured: captures run in reverse), and a root that reduces in pieces between
+    the graphs after the last capture of all, module 0's, since it reduces after every backward. A
+    root that fits the staging has no graphs of its own and is not homed."""
+    from fsdp_graph.graphs.capture import CaptureTarget, _homing
+
+    for vocab, root_homed in ((301, True), (7, False)):
+        model = shard(build(torch.device("cpu"), vocab=vocab, n_blocks=3)[0])
+        root_contexts(model)  # (plans the staging, as the capture finds it)
+        calls = [CaptureTarget(block, f"block {i}", (), {}, {}) for i, block in enumerate(model.blocks)]
+        blocks = [units_in(block)[0] for block in model.blocks]
+        expected = {0: [blocks[0]] + ([model.fsdp_unit] if root_homed else []), 1: [blocks[1]], 2: [blocks[2]]}
+        assert _homing(calls) == expected, vocab

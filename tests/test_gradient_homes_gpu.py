@@ -1,4 +1,5 @@
-"""GPU: per-layer and segment graphs take each block's sharded gradients from their memory pool.
+"""GPU: per-layer and segment graphs take each block's sharded gradients from their memory pool
+(and those of a root that reduces in pieces between them).
 
 The memory is the graphs' own (the allocator's snapshot puts every parameter's piece in the graphs'
 pool), the gradients land there when ``.grad`` was set to None, and training stays bitwise equal to
@@ -34,9 +35,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # (a plain tensor at one rank)
 
 
-def _homes(info, segment_size: int | None) -> None:
-    """``segment_size`` None: per-layer graphs; 1: segments of one block (``graph_segments``)."""
-    model = _build(info, oversized_block=False)
+def _homes(info, segment_size: int | None, wide_root: bool = False) -> None:
+    """``segment_size`` None: per-layer graphs; 1: segments of one block (``graph_segments``).
+    ``wide_root``: the root reduces in pieces between the graphs, and is homed in their pool too."""
+    model = _build(info, oversized_block=False, wide_root=wide_root)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if segment_size == 1:
         hidden = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16, requires_grad=True)
@@ -49,10 +51,11 @@ def _homes(info, segment_size: int | None) -> None:
         model(*_batch(i, info))[1].backward()
         opt.step()
         opt.zero_grad()
-    blocks = [units_in(block)[0] for block in model.blocks]
+    homed = [units_in(block)[0] for block in model.blocks] + ([units_in(model)[0]] if wide_root else [])
+    assert wide_root == (units_in(model)[0].grads.sharded.home is not None), "only a root in pieces is homed"
     model(*_batch(3, info))[1].backward()  # (.grad None before it: the step's zero_grad)
-    pools = {_pool_of(v.data_ptr()) for u in blocks for v in u.grads.sharded.local_views if v.numel()}
-    assert all(u.grads.sharded._at_home for u in blocks), "the reduces wrote the homes"
+    pools = {_pool_of(v.data_ptr()) for u in homed for v in u.grads.sharded.local_views if v.numel()}
+    assert all(u.grads.sharded._at_home for u in homed), "the reduces wrote the homes"
     assert len(pools) == 1 and None not in pools and (0, 0) not in pools, f"not in one graph pool: {pools}"
     # .grad objects kept across the next forward (as a user logging them would): their values follow.
     kept = [p.grad for p in model.parameters() if p.grad is not None]
@@ -73,6 +76,8 @@ def _homes_in_every_layer_strategy(info) -> None:
     _homes(info, None)  # per-layer graphs
     _homes(info, 1)  # segments of one block, through graph_segments
     _homes(info, 2)
+    _homes(info, None, wide_root=True)
+    _homes(info, 2, wide_root=True)
 
 
 def test_block_gradients_live_in_the_graph_pool_and_what_the_user_keeps_is_kept():

@@ -60,8 +60,8 @@ def _train_step(info, segment_size: int | None, oversized_block: bool = False, w
         assert len(segments) == -(-CFG.n_layers // segment_size)
         assert all(s.replays == STEPS for s in segments), [s.replays for s in segments]  # no silent eager
         _assert_chained(list(segments))
-        root = units_in(model)[0]  # (a wide root's reduce-scatters replay between the segments)
-        assert (check_piece_replays(root, STEPS, True) > 0) == wide_root
+        root = units_in(model)[0]  # (a wide root's reduce-scatters and writes replay between the segments)
+        assert (check_piece_replays(root, STEPS, True) > 0) == wide_root == (root.grads.sharded.home is not None)
     model.eval()
     with torch.no_grad():
         logits = model(_batch(STEPS, info)[0])

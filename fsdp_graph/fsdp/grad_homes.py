@@ -92,12 +92,13 @@ class HomeRows:
             dest.add_(source, alpha=scale)
 
     def fresh_write(self, pieces: list[torch.Tensor], scale: float) -> tuple:
-        """``write`` of a whole shard, fresh, as (key, ``body(values)``) for a collective graph
-        (``UnitReduce.whole``): the key is the pieces' addresses and the scale (the source's the
-        caller adds), which is all the recorded kernels depend on."""
+        """``write``, fresh, as (key, ``body(values, start=0)``) for a collective graph: of the whole
+        shard (``UnitReduce.whole``) or of each piece of a reduce in pieces (``UnitReduce.in_pieces``).
+        The key is the pieces' addresses and the scale (the source's and the start the caller adds),
+        which is all the recorded kernels depend on."""
         if self._addresses is None or self._addresses[0] is not pieces:  # (a home's pieces never move)
             self._addresses = (pieces, tuple(piece.data_ptr() for piece in pieces))
-        return (*self._addresses[1], scale), lambda values: self.write(pieces, 0, values, scale, True)
+        return (*self._addresses[1], scale), lambda values, start=0: self.write(pieces, start, values, scale, True)
 
     def _parts(self, values: torch.Tensor, sizes: list[int], kept: list[int]) -> list[torch.Tensor]:
         cached = self._source

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
-from ..fsdp.capture_interface import master_owner, pin_addresses
+from ..fsdp.capture_interface import master_owner, pin_addresses, replayable_roots, root_contexts
 from .activation_offload import OFFLOAD_MARK, HostPlan
 from .chained_buffers import alias_if_fits, chained_sources
 from .gradient_homes import home_gradients
@@ -547,7 +547,8 @@ def _homing(calls: list[CaptureTarget]) -> dict[int, list]:
     (``gradient_homes.py``): that of the first module in call order that reads its parameters, the last
     of them captured. The unit's reduce follows that module's backward, and the modules called before
     it replay their backwards later, from memory captured later, which the home then holds. (A module
-    without the unit's parameters could be called before all of them: it does not count.)"""
+    without the unit's parameters could be called before all of them: it does not count.) And the
+    roots that reduce in pieces between the graphs (``replayable_roots``), after the last capture."""
     first: dict[int, tuple] = {}
     for i, call in enumerate(calls):
         owners = {id(u): u for u in map(master_owner, call.parameters()) if u is not None}
@@ -557,6 +558,10 @@ def _homing(calls: list[CaptureTarget]) -> dict[int, list]:
     homed: dict[int, list] = {}
     for i, unit in first.values():
         homed.setdefault(i, []).append(unit)
+    # A root that reduces in pieces outside the graphs reduces last of all: after the last backward
+    # captured (the first module's), when every graph's memory is idle until the next forward.
+    contexts = {id(c): c for _, unit in first.values() for c in root_contexts(unit.module)}
+    homed.setdefault(0, []).extend(root for root in replayable_roots(contexts.values()) if id(root) not in first)
     return homed
 
 

@@ -5,7 +5,9 @@ graph is captured (per layer: its first module's, ``capture._homing``; a segment
 segment's), the pool's free memory is what the graphs captured so far use only between
 the next forward and that backward (the later blocks' activations, every forward's temporaries),
 so the unit's gradient buffer, live from its reduce to the optimizer step, is taken from there
-(``fsdp/grad_homes.py`` says why and what keeps it safe). Routing an allocation into a graph pool
+(``fsdp/grad_homes.py`` says why and what keeps it safe). A root that reduces in pieces between the
+graphs (``replayable_roots``) reduces after every graph's backward: it is homed after the last
+capture, and each piece's write then replays with its reduce-scatter. Routing an allocation into a graph pool
 outside a capture uses torch's private binding, as ``torch.cuda.use_mem_pool`` and inductor's
 CUDA graph trees do; where it is missing the gradients stay where they were.
 """

@@ -466,6 +466,9 @@ def _warm_up_and_capture(segments: list[GraphedSegment], chained: list[bool], un
                 home_gradients(segment.units, segment.group.homes, pool, stream)
             segment.static_outputs = [o.detach() for o in outputs]
             segment.claims_backward = _claims(list(reversed(segment.units)))
+        if own_pool:  # (a root that reduces in pieces does so last, after every segment's backward)
+            roots = [r for r in replayable_roots(contexts) if all(r is not u for u in units)]
+            home_gradients(roots, segments[0].group.homes, pool, stream)
         del captured
     torch.cuda.current_stream().wait_stream(stream)
     for segment in segments:
