@@ -11,6 +11,8 @@ the fix. Design: ``fsdp/grad_homes.py``."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -82,3 +84,43 @@ def _homes_in_every_layer_strategy(info) -> None:
 
 def test_block_gradients_live_in_the_graph_pool_and_what_the_user_keeps_is_kept():
     run_ranks(_homes_in_every_layer_strategy, min(2, torch.cuda.device_count()))
+
+
+def _two_models(info, graphed: bool):
+    """Two GPTs whose blocks are graphed in one call (one pool), each with its own loss and optimizer.
+    Backwards run B then A (B's graphs were captured after A's): B's root reduces into its home, taken
+    after every capture, and then A's backward graphs replay, which may write that memory."""
+    models = [_build(info, oversized_block=False, wide_root=True) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
+    if graphed:
+        blocks = [block for m in models for block in m.blocks]
+        sample = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, requires_grad=True)
+        fsdp_graph.graph_modules(blocks, [(sample,)] * len(blocks))
+        assert all(units_in(m)[0].grads.sharded.home is not None for m in models), "the roots should be homed"
+    losses = []
+    for i in range(8):
+        idx, targets = _batch(i, info)
+        loss_a = models[0](idx, targets)[1]
+        loss_b = models[1](idx, (targets + 1) % CFG.vocab_size)[1]
+        loss_b.backward()
+        loss_a.backward()  # (A's backward replays after B's root wrote its home)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(torch.stack([loss_a.detach(), loss_b.detach()]))
+    return torch.stack(losses), [fsdp_graph.full_state_dict(m) for m in models]
+
+
+def _second_backward_keeps_the_root_gradients(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    eager_losses, eager_states = _two_models(info, False)
+    losses, states = _two_models(info, True)
+    assert torch.equal(losses, eager_losses), f"{losses.tolist()} vs eager {eager_losses.tolist()}"
+    for state, eager in zip(states, eager_states):
+        for key, value in eager.items():
+            assert torch.equal(state[key], value), f"{key} differs from eager"
+
+
+def test_a_backward_replayed_after_a_root_reduced_leaves_its_gradients_as_eager():
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_second_backward_keeps_the_root_gradients, min(2, torch.cuda.device_count()))

@@ -11,7 +11,10 @@ every forward's temporaries) is not written again before the next forward. So af
 backward of a unit's graph (per layer: of its first module; a segment: the unit's segment), the
 capture takes the unit's gradient buffer from the pool
 (``ShardedGrads.set_home``): the allocator hands out exactly that freed memory, and no graph
-captured later gets it.
+captured later gets it. A root that reduces in pieces between the graphs reduces after every
+backward of the step, so it is homed after the last capture; but a backward replayed after it
+reduced (a second loss over other graphs of the pool) may then write its memory, so those late homes
+are vacated before backward replays as well as forward ones (``CaptureGroup.late_homes``).
 
 The gradients stay the user's as in FSDP2: ``zero_grad()`` drops them, ``.grad`` objects can be
 kept. Before a graph of the pool replays a forward, ``GradHomes.vacate`` moves values someone still

@@ -20,7 +20,8 @@ After the backward, ``reduce`` copies the gradients into the shared reduce stagi
 casting to ``reduce_dtype`` (one ``_chunk_cat`` kernel), reduce-scatters it, all-reduces across
 HSDP replicas, and averages the result into the masters' ``.grad`` (accumulated if already set,
 as autograd does). A unit larger than the staging does so piece by piece (``reduce_pieces.py``;
-with collective graphs, each piece's reduce-scatter replays, keyed by the staging and its size).
+with collective graphs, each piece's reduce-scatter replays, keyed by the staging and its size, and
+where the sharded gradients are at their home and fresh, with the piece's write in the same graph).
 The masters' ``.grad`` live in ``sharded_grads.py``: views of one buffer per unit that follows
 ``zero_grad(set_to_none=...)`` as FSDP2's do (given back when every ``.grad`` was set to None, made
 again by the next reduce), or stays for good once pinned by a whole-step graph.

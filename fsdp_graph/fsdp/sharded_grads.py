@@ -228,8 +228,9 @@ class ShardedGrads:
 
     def fresh_write(self, current: list, scale: float) -> tuple | None:
         """After ``take``: where every ``.grad`` was None (``current``) and the buffer is at its home,
-        ``accumulate``'s write of a whole shard as a (key, body) a graph may replay
-        (``HomeRows.fresh_write``); ``accumulate`` of no pieces then only sets ``.grad``. Else None."""
+        ``accumulate``'s write as a (key, ``body(values, start=0)``) a graph may replay, of the whole
+        shard or of each piece of a reduce in pieces (``HomeRows.fresh_write``); ``accumulate`` of no
+        pieces then only sets ``.grad``. Else None."""
         fresh = self._at_home and all(map(operator.is_, current, repeat(None)))
         return self._home_rows.fresh_write(self.home, scale) if fresh else None
 

@@ -491,7 +491,7 @@ def _own_offload(calls: list[CaptureTarget], where: str, forward_only: bool) -> 
 def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook, post_warmup_hook, pool,
              eager: list, forward_only: bool, targets: list, where: str, plan: HostPlan | None, links) -> list:
     group = CaptureGroup()
-    homed = None if pool is not None or forward_only or plan is not None else _homing(calls)
+    homed, late = (None, []) if pool is not None or forward_only or plan is not None else _homing(calls)
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -523,8 +523,9 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
                                                                                    pool, stream))
             for call, fwd, target in zip(calls, passes, targets):  # (refused before anything is pinned or installed)
                 check_target(target, fwd.joins, f"graphed {call.name}", stream.device)
+            home_gradients(late, group.late_homes, pool, stream)
         except BaseException:
-            group.homes.drop()
+            group.drop_homes()
             raise
     torch.cuda.current_stream().wait_stream(stream)
     for call in calls:
@@ -542,13 +543,14 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
     return graphed
 
 
-def _homing(calls: list[CaptureTarget]) -> dict[int, list]:
+def _homing(calls: list[CaptureTarget]) -> tuple[dict[int, list], list]:
     """After which backward capture each FSDP unit's sharded gradients take their home in the pool
     (``gradient_homes.py``): that of the first module in call order that reads its parameters, the last
     of them captured. The unit's reduce follows that module's backward, and the modules called before
     it replay their backwards later, from memory captured later, which the home then holds. (A module
-    without the unit's parameters could be called before all of them: it does not count.) And the
-    roots that reduce in pieces between the graphs (``replayable_roots``), after the last capture."""
+    without the unit's parameters could be called before all of them: it does not count.) Second: the
+    roots that reduce in pieces between the graphs (``replayable_roots``), homed after the last capture
+    (they reduce after every backward) in the group's ``late_homes``, which backward replays vacate too."""
     first: dict[int, tuple] = {}
     for i, call in enumerate(calls):
         owners = {id(u): u for u in map(master_owner, call.parameters()) if u is not None}
@@ -558,11 +560,8 @@ def _homing(calls: list[CaptureTarget]) -> dict[int, list]:
     homed: dict[int, list] = {}
     for i, unit in first.values():
         homed.setdefault(i, []).append(unit)
-    # A root that reduces in pieces outside the graphs reduces last of all: after the last backward
-    # captured (the first module's), when every graph's memory is idle until the next forward.
     contexts = {id(c): c for _, unit in first.values() for c in root_contexts(unit.module)}
-    homed.setdefault(0, []).extend(root for root in replayable_roots(contexts.values()) if id(root) not in first)
-    return homed
+    return homed, [root for root in replayable_roots(contexts.values()) if id(root) not in first]
 
 
 def capture_pass(calls: list[CaptureTarget], links, forward_only: bool, pool=None, stream=None,

@@ -27,7 +27,8 @@ For every segment (``segment_size`` consecutive modules of ``modules``, in execu
    its place in the segment (``graphed_segment.py``), and nothing outside a segment prefetches
    its units any more. The root's steps stay eager between the segments, but a root that reduces
    in pieces replays each piece's reduce-scatter as a collective graph (``replayable_roots``;
-   ``collective_graphs=False`` keeps them eager).
+   ``collective_graphs=False`` keeps them eager), with its write into the root's sharded gradients,
+   homed in the segments' pool after the last capture.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ def graph_segments(
     try:
         _capture(segments, chained, contexts, num_warmup_iters, pool)
     except BaseException:
-        group.homes.drop()
+        group.drop_homes()
         raise
     for segment in segments:
         _install(segment)
@@ -468,7 +469,7 @@ def _warm_up_and_capture(segments: list[GraphedSegment], chained: list[bool], un
             segment.claims_backward = _claims(list(reversed(segment.units)))
         if own_pool:  # (a root that reduces in pieces does so last, after every segment's backward)
             roots = [r for r in replayable_roots(contexts) if all(r is not u for u in units)]
-            home_gradients(roots, segments[0].group.homes, pool, stream)
+            home_gradients(roots, segments[0].group.late_homes, pool, stream)
         del captured
     torch.cuda.current_stream().wait_stream(stream)
     for segment in segments:
