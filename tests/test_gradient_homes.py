@@ -323,11 +323,11 @@ def test_a_home_given_up_and_taken_again_is_written_where_grad_reads():
     run_ranks(_home_again, 2)
 
 
-def test_the_capture_homes_each_block_after_its_backward_and_a_root_in_pieces_after_the_last():
+def test_the_capture_homes_each_block_after_its_backward_and_a_root_in_pieces_with_its_first_block():
     """Per-layer graphs home a unit's gradients after the backward capture of its first module (the
     last of its modules captured: captures run in reverse), and a root that reduces in pieces between
-    the graphs after every capture (it reduces after every backward), apart: a backward replay may
-    write it. A root that fits the staging has no graphs of its own and is not homed."""
+    the graphs with its model's first graphed module: it reduces at the end of its backward, right
+    after that one's. A root that fits the staging has no graphs of its own and is not homed."""
     from fsdp_graph.graphs.capture import CaptureTarget, _homing
 
     for vocab, root_homed in ((301, True), (7, False)):
@@ -335,38 +335,24 @@ def test_the_capture_homes_each_block_after_its_backward_and_a_root_in_pieces_af
         root_contexts(model)  # (plans the staging, as the capture finds it)
         calls = [CaptureTarget(block, f"block {i}", (), {}, {}) for i, block in enumerate(model.blocks)]
         blocks = [units_in(block)[0] for block in model.blocks]
-        expected = {0: [blocks[0]], 1: [blocks[1]], 2: [blocks[2]]}, [model.fsdp_unit] if root_homed else []
+        expected = {0: [blocks[0]] + ([model.fsdp_unit] if root_homed else []), 1: [blocks[1]], 2: [blocks[2]]}
         assert _homing(calls) == expected, vocab
 
 
-class _Member:
-    """Stands in for a homed ``ShardedGrads``: records when it is asked to move out of its home."""
+def test_two_models_graphed_in_one_call_home_each_root_after_its_own_first_graph():
+    """Two models in one call (two losses): A's blocks, then B's. B's root reduces at the end of B's
+    backward, which replays before A's, while A's saved activations are still to be read: homed
+    after B's first block's capture, when those are still allocated, not after the last capture,
+    whose free memory they are (found on GPU: B's root overwrote A's activations). Interleaved calls
+    home each root with the first call that holds one of its units."""
+    from fsdp_graph.graphs.gradient_homes import roots_homed_after
 
-    def __init__(self) -> None:
-        self.left: list[str] = []
-
-    def leave_home_if_held(self, what: str) -> None:
-        self.left.append(what)
-
-
-def test_a_backward_replay_moves_out_only_the_homes_taken_after_the_last_capture():
-    """A root homed after every capture may share memory with any graph of the pool, a backward's too:
-    a second backward after the root reduced (two losses, two models) would overwrite its gradients.
-    So a backward replay vacates those late homes; the other homes only a forward replay vacates."""
-    from fsdp_graph.graphs.graphed_callable import CaptureGroup, start_backward
-
-    group = CaptureGroup()
-    early, late = _Member(), _Member()
-    group.homes.members.append(early)
-    group.late_homes.members.append(late)
-    group.homes.written = group.late_homes.written = True  # (both written by reduces since the last forward)
-    node = object()
-
-    class Runner:  # (what start_backward reads of a graphed callable whose forward just replayed)
-        _pending, static_outputs, _output_versions, index = staticmethod(lambda: node), [], [], 0
-
-    Runner.group = group
-    start_backward(Runner, node, "graphed block 1")
-    assert late.left == ["graphed block 1"] and early.left == []
-    group.vacate_homes("graphed block 0", forward=True)
-    assert early.left == ["graphed block 0"] and late.left == ["graphed block 1"]  # (not written again since)
+    models = []
+    for _ in range(2):
+        models.append(shard(build(torch.device("cpu"), vocab=301, n_blocks=3)[0]))
+        root_contexts(models[-1])
+    a, b = ([units_in(block)[0] for block in m.blocks] for m in models)
+    roots = [m.fsdp_unit for m in models]
+    assert roots_homed_after([[u] for u in a + b]) == {0: [roots[0]], 3: [roots[1]]}
+    assert roots_homed_after([[b[0]], [a[0]], [b[1]], [a[1]]]) == {0: [roots[1]], 1: [roots[0]]}
+    assert roots_homed_after([[a[0], roots[0]], [a[1]]]) == {}  # (a root a graph holds is homed as a unit)

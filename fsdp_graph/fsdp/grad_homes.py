@@ -11,10 +11,10 @@ every forward's temporaries) is not written again before the next forward. So af
 backward of a unit's graph (per layer: of its first module; a segment: the unit's segment), the
 capture takes the unit's gradient buffer from the pool
 (``ShardedGrads.set_home``): the allocator hands out exactly that freed memory, and no graph
-captured later gets it. A root that reduces in pieces between the graphs reduces after every
-backward of the step, so it is homed after the last capture; but a backward replayed after it
-reduced (a second loss over other graphs of the pool) may then write its memory, so those late homes
-are vacated before backward replays as well as forward ones (``CaptureGroup.late_homes``).
+captured later gets it. A root that reduces in pieces between the graphs reduces at the end of its
+backward, after that of its model's first graph (in call order), so it is homed after that graph's
+capture (``graphs/gradient_homes.roots_homed_after``): not after the last capture, whose free memory
+may be another model's activations, still to be read by that model's backward (a second loss).
 
 The gradients stay the user's as in FSDP2: ``zero_grad()`` drops them, ``.grad`` objects can be
 kept. Before a graph of the pool replays a forward, ``GradHomes.vacate`` moves values someone still

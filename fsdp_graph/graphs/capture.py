@@ -39,10 +39,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
-from ..fsdp.capture_interface import master_owner, pin_addresses, replayable_roots, root_contexts
+from ..fsdp.capture_interface import master_owner, pin_addresses
 from .activation_offload import OFFLOAD_MARK, HostPlan
 from .chained_buffers import alias_if_fits, chained_sources
-from .gradient_homes import home_gradients
+from .gradient_homes import home_gradients, roots_homed_after
 from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .host_sync import no_host_sync
 from .replay_stream import check_target, recording_joins, replay_target
@@ -491,7 +491,7 @@ def _own_offload(calls: list[CaptureTarget], where: str, forward_only: bool) -> 
 def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook, post_warmup_hook, pool,
              eager: list, forward_only: bool, targets: list, where: str, plan: HostPlan | None, links) -> list:
     group = CaptureGroup()
-    homed, late = (None, []) if pool is not None or forward_only or plan is not None else _homing(calls)
+    homed = None if pool is not None or forward_only or plan is not None else _homing(calls)
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -523,9 +523,8 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
                                                                                    pool, stream))
             for call, fwd, target in zip(calls, passes, targets):  # (refused before anything is pinned or installed)
                 check_target(target, fwd.joins, f"graphed {call.name}", stream.device)
-            home_gradients(late, group.late_homes, pool, stream)
         except BaseException:
-            group.drop_homes()
+            group.homes.drop()
             raise
     torch.cuda.current_stream().wait_stream(stream)
     for call in calls:
@@ -543,25 +542,28 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
     return graphed
 
 
-def _homing(calls: list[CaptureTarget]) -> tuple[dict[int, list], list]:
+def _homing(calls: list[CaptureTarget]) -> dict[int, list]:
     """After which backward capture each FSDP unit's sharded gradients take their home in the pool
     (``gradient_homes.py``): that of the first module in call order that reads its parameters, the last
     of them captured. The unit's reduce follows that module's backward, and the modules called before
     it replay their backwards later, from memory captured later, which the home then holds. (A module
-    without the unit's parameters could be called before all of them: it does not count.) Second: the
-    roots that reduce in pieces between the graphs (``replayable_roots``), homed after the last capture
-    (they reduce after every backward) in the group's ``late_homes``, which backward replays vacate too."""
+    without the unit's parameters could be called before all of them: it does not count.) A root
+    that reduces in pieces between the graphs: after that of the first module of its model
+    (``roots_homed_after``)."""
     first: dict[int, tuple] = {}
+    units_per_call: list[list] = []
     for i, call in enumerate(calls):
         owners = {id(u): u for u in map(master_owner, call.parameters()) if u is not None}
+        units_per_call.append(list(owners.values()))
         if len(owners) == 1:
             unit = next(iter(owners.values()))
             first.setdefault(id(unit), (i, unit))
     homed: dict[int, list] = {}
     for i, unit in first.values():
         homed.setdefault(i, []).append(unit)
-    contexts = {id(c): c for _, unit in first.values() for c in root_contexts(unit.module)}
-    return homed, [root for root in replayable_roots(contexts.values()) if id(root) not in first]
+    for i, roots in roots_homed_after(units_per_call).items():
+        homed.setdefault(i, []).extend(roots)
+    return homed
 
 
 def capture_pass(calls: list[CaptureTarget], links, forward_only: bool, pool=None, stream=None,

@@ -6,8 +6,10 @@ segment's), the pool's free memory is what the graphs captured so far use only b
 the next forward and that backward (the later blocks' activations, every forward's temporaries),
 so the unit's gradient buffer, live from its reduce to the optimizer step, is taken from there
 (``fsdp/grad_homes.py`` says why and what keeps it safe). A root that reduces in pieces between the
-graphs (``replayable_roots``) reduces after every graph's backward: it is homed after the last
-capture, and each piece's write then replays with its reduce-scatter. Routing an allocation into a graph pool
+graphs (``replayable_roots``) reduces at the end of its backward, after the backward of the first
+graph in call order that holds one of its units (``roots_homed_after``): it is homed after that
+graph's capture, by the same argument as a unit, and each piece's write then replays with its
+reduce-scatter. Routing an allocation into a graph pool
 outside a capture uses torch's private binding, as ``torch.cuda.use_mem_pool`` and inductor's
 CUDA graph trees do; where it is missing the gradients stay where they were.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fsdp.capture_interface import FSDPUnit, GradHomes
+from ..fsdp.capture_interface import FSDPUnit, GradHomes, replayable_roots, root_contexts
 
 
 def home_gradients(units: list[FSDPUnit], homes: GradHomes, pool, stream: torch.cuda.Stream) -> None:
@@ -37,3 +39,24 @@ def home_gradients(units: list[FSDPUnit], homes: GradHomes, pool, stream: torch.
         finally:
             end(device, pool)
             release(device, pool)
+
+
+def roots_homed_after(units_per_graph: list[list[FSDPUnit]]) -> dict[int, list[FSDPUnit]]:
+    """The roots that reduce in pieces between the graphs (``replayable_roots``), by the index of the
+    first graph, in call order, that holds one of their units. A root reduces at the end of its
+    backward, after that graph's backward (the last of its graphs captured and replayed): homed after
+    that capture, its memory is what the graphs captured so far use only until then, and no later
+    capture (another model's backward, replayed before that root's forward) gets it. Taken after the
+    last capture instead, a root's home could hold the activations of another model's graphs whose
+    backward is still to come: a second loss's backward. Roots a graph holds are homed as units."""
+    first: dict[int, tuple] = {}
+    for i, units in enumerate(units_per_graph):
+        for unit in units:
+            for ctx in root_contexts(unit.module):
+                first.setdefault(id(ctx), (i, ctx))
+    graphed = {id(unit) for units in units_per_graph for unit in units}
+    homed: dict[int, list[FSDPUnit]] = {}
+    for i, ctx in first.values():
+        if id(ctx.root) not in graphed and replayable_roots([ctx]):
+            homed.setdefault(i, []).append(ctx.root)
+    return homed

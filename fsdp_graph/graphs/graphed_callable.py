@@ -84,19 +84,6 @@ class CaptureGroup:
         # checked when it ran), and those were captured while the prefetched tensors were alive.
         self.prefetched_for: GraphedCallable | None = None
         self.homes = GradHomes()  # units' sharded gradients homed in the pool (gradient_homes.py)
-        # Homes taken after the last capture (a root's that reduces in pieces between the graphs): any
-        # graph of the pool may write them, a backward too (a second backward after the root reduced).
-        self.late_homes = GradHomes()
-
-    def vacate_homes(self, what: str, forward: bool) -> None:
-        """Before ``what`` replays: a forward may write any home, a backward those taken after it."""
-        if forward:
-            self.homes.vacate(what)
-        self.late_homes.vacate(what)
-
-    def drop_homes(self) -> None:
-        self.homes.drop()
-        self.late_homes.drop()
 
     def check_backward_order(self, runner: GraphedCallable) -> None:
         for later in self.members[runner.index + 1 :]:
@@ -199,7 +186,7 @@ class GraphedCallable:
         target = chosen_target(self.replay_default)
         check_target(target, self.captured.join_events, f"graphed {self.name}", self.device)
         track = self._has_backward and torch.is_grad_enabled()
-        self.group.vacate_homes(f"graphed {self.name}", forward=True)  # (it may write any home: grad_homes.py)
+        self.group.homes.vacate(f"graphed {self.name}")  # (the forward may write any home: grad_homes.py)
         probe = probe_input(track and (self._any_trainable or any(x.requires_grad for x in inputs)))
         outputs = _Replay.apply(self, track, target, *inputs, *self.params, probe)
         if self._single_output:
@@ -301,7 +288,6 @@ def start_backward(runner, node, what: str) -> None:
             "eager autograd would refuse). Clone the output before modifying it."
         )
     runner.group.check_backward_order(runner)
-    runner.group.vacate_homes(what, forward=False)
     runner._pending = None
 
 

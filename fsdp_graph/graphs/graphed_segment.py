@@ -148,7 +148,7 @@ class GraphedSegment:
                 "every reference to the previous output's autograd graph."
             )
         target = whole_target(self.replay_default, f"segment {self.name}", self.device)
-        self.group.vacate_homes(f"segment {self.name}", forward=True)  # (the forward may write any home)
+        self.group.homes.vacate(f"segment {self.name}")  # (the forward may write any home)
         outputs = _SegmentReplay.apply(self, target, *tensors, probe_input(torch.is_grad_enabled()))
         self._outputs = outputs
         self._rest = (args[1:], kwargs)

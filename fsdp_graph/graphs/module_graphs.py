@@ -20,7 +20,8 @@ For every module, in this order:
    replayed as small graphs on their side streams too (``fsdp/collective_graphs.py``): the hooks
    between the graphed layers then cost one replay each instead of four to six launches. So do
    the reduce-scatters of a root that reduces in pieces (``replayable_roots``), each with its write
-   into the root's sharded gradients, homed in the graphs' pool after the last capture.
+   into the root's sharded gradients, homed in the graphs' pool after the backward capture of its
+   model's first graphed module.
 """
 
 from __future__ import annotations

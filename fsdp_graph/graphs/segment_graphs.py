@@ -28,7 +28,7 @@ For every segment (``segment_size`` consecutive modules of ``modules``, in execu
    its units any more. The root's steps stay eager between the segments, but a root that reduces
    in pieces replays each piece's reduce-scatter as a collective graph (``replayable_roots``;
    ``collective_graphs=False`` keeps them eager), with its write into the root's sharded gradients,
-   homed in the segments' pool after the last capture.
+   homed in the segments' pool after the backward capture of its first segment.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from .activation_offload import refuse_offloaded
 from .capture import argument_names, require_cuda, static_copy
 from .chained_buffers import Links, alias_if_fits
 from .frozen_arguments import same
-from .gradient_homes import home_gradients
+from .gradient_homes import home_gradients, roots_homed_after
 from .graphed_callable import CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .graphed_segment import GraphedSegment
 from .host_sync import no_host_sync
@@ -236,7 +236,7 @@ def graph_segments(
     try:
         _capture(segments, chained, contexts, num_warmup_iters, pool)
     except BaseException:
-        group.drop_homes()
+        group.homes.drop()
         raise
     for segment in segments:
         _install(segment)
@@ -458,18 +458,16 @@ def _warm_up_and_capture(segments: list[GraphedSegment], chained: list[bool], un
                 stream, pool)
             captured.append(outputs)
             segment.claims_forward = _claims(segment.units)
-        for segment, outputs in zip(reversed(segments), reversed(captured)):
+        roots = roots_homed_after([segment.units for segment in segments])  # (a root that reduces in pieces)
+        for i, segment, outputs in zip(reversed(range(len(segments))), reversed(segments), reversed(captured)):
             _chain_gradient(segment, outputs[-1])
             segment.bwd_graph, segment.static_grad_inputs = capture_whole(
                 f"graph_segments: backward of segment {segment.name}", lambda s=segment, o=outputs: _run_backward(s, o),
                 contexts, stream, pool)
             if own_pool:  # (its activations freed: the units' gradients from that memory, gradient_homes.py)
-                home_gradients(segment.units, segment.group.homes, pool, stream)
+                home_gradients(segment.units + roots.get(i, []), segment.group.homes, pool, stream)
             segment.static_outputs = [o.detach() for o in outputs]
             segment.claims_backward = _claims(list(reversed(segment.units)))
-        if own_pool:  # (a root that reduces in pieces does so last, after every segment's backward)
-            roots = [r for r in replayable_roots(contexts) if all(r is not u for u in units)]
-            home_gradients(roots, segments[0].group.late_homes, pool, stream)
         del captured
     torch.cuda.current_stream().wait_stream(stream)
     for segment in segments:
