@@ -22,24 +22,32 @@ from models import RecordingCollectiveBodies, build, local_loss, on_fixed_buffer
 pytestmark = pytest.mark.cpu_only  # CPU and gloo: CI runs it; the graphs' half runs in the GPU suite
 
 
-def _homed(model) -> GradHomes:
+def _homed(model, busy=None) -> GradHomes:
     homes = GradHomes()
     for unit in units_in(model):
-        assert unit.grads.sharded.set_home(homes)
+        assert unit.grads.sharded.set_home(homes, busy)
     return homes
 
 
 def _before_forward(homes: GradHomes) -> None:
     homes.vacate("a forward replay")
+    _fill_homes(homes)  # what the forward's activations would do to it
+
+
+def _fill_homes(homes: GradHomes) -> None:
     for grads in homes.members:
         for piece in grads.home:
-            piece.fill_(float("nan"))  # what the forward's activations would do to it
+            piece.fill_(float("nan"))
 
 
-def _train(info, homed: bool, set_to_none: bool, accumulate: bool, keep_objects: bool, vocab: int = 301):
+def _train(info, homed: bool, set_to_none: bool, accumulate: bool, keep_objects: bool, vocab: int = 301,
+           busy_steps: tuple = ()):
+    """``busy_steps``: steps whose reduces find a graph that may share the homes' memory awaiting
+    its backward (``set_home``'s ``busy``), which then writes the homes (NaN) after the reduce."""
     model, _ = build(info.device, vocab=vocab, n_blocks=3)
     shard(model)
-    homes = _homed(model) if homed else None
+    busy = [False]
+    homes = _homed(model, lambda: busy[0]) if homed else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kept, values, losses = [], [], []
     for step in range(4):
@@ -47,8 +55,13 @@ def _train(info, homed: bool, set_to_none: bool, accumulate: bool, keep_objects:
             if homes is not None:
                 _before_forward(homes)
             loss = local_loss(model, 2 * step + micro, info)
+            busy[0] = step in busy_steps
             loss.backward()
             losses.append(loss.detach())
+            if busy[0]:
+                assert not any(g._at_home for g in homes.members), "a reduce wrote a home a pending graph shares"
+                _fill_homes(homes)  # (the pending backward's replay)
+                busy[0] = False
         for g, v in zip(kept, values):  # the step before's .grad objects, across this step's forward
             assert torch.equal(_local(g), v), "a kept .grad object changed"
         if keep_objects:
@@ -67,15 +80,19 @@ def _homes_train_as_without(info) -> None:
     cases = {"zero_grad()": (True, False, False, 301), "zero_grad(set_to_none=False)": (False, False, False, 301),
              "two backwards per step": (True, True, False, 301), ".grad objects kept": (True, False, True, 301),
              # the root reduced in pieces, one of which holds none of the last rank's embedding rows
-             "a piece with no rows here": (True, False, False, 277)}
-    for what, (set_to_none, accumulate, keep, vocab) in cases.items():
-        losses, params, homes = _train(info, True, set_to_none, accumulate, keep, vocab)
+             "a piece with no rows here": (True, False, False, 277),
+             # a graph that may share the homes' memory awaits its backward at the reduces of steps 1
+             # and 2 (two losses over two towers, the second still to come): own memory that step
+             "a graph's backward pending": (True, False, False, 301, (1, 2)),
+             "a graph's backward pending, two backwards per step": (True, True, False, 301, (1,))}
+    for what, (set_to_none, accumulate, keep, vocab, *busy) in cases.items():
+        losses, params, homes = _train(info, True, set_to_none, accumulate, keep, vocab, *busy)
         ref_losses, ref_params, _ = _train(info, False, set_to_none, accumulate, keep, vocab)
         assert torch.equal(losses, ref_losses), f"{what}: {losses.tolist()} vs {ref_losses.tolist()}"
         for p, q in zip(params, ref_params):
             assert torch.equal(_local(p), _local(q)), what
         at_home = [g._at_home for g in homes.members]
-        if what in ("zero_grad()", "a piece with no rows here"):
+        if what in ("zero_grad()", "a piece with no rows here", "a graph's backward pending"):
             assert all(at_home), "with .grad set to None the reduce writes the home"
         elif what == "zero_grad(set_to_none=False)":
             assert not any(at_home), "values kept across the forward move out, and stay out"

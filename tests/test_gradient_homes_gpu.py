@@ -12,6 +12,7 @@ the fix. Design: ``fsdp/grad_homes.py``."""
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -88,8 +89,9 @@ def test_block_gradients_live_in_the_graph_pool_and_what_the_user_keeps_is_kept(
 
 def _two_models(info, graphed: bool):
     """Two GPTs whose blocks are graphed in one call (one pool), each with its own loss and optimizer.
-    Backwards run B then A (B's graphs were captured after A's): B's root reduces into its home, taken
-    after every capture, and then A's backward graphs replay, which may write that memory."""
+    Backwards run B then A (B's graphs were captured after A's): B's root reduces into its home while
+    A's activations wait for A's backward. Homed after the last capture, that home overlapped them
+    (A's gradients off from the first step); homed after B's first block's capture, it cannot."""
     models = [_build(info, oversized_block=False, wide_root=True) for _ in range(2)]
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
     if graphed:
@@ -124,3 +126,59 @@ def _second_backward_keeps_the_root_gradients(info) -> None:
 def test_a_backward_replayed_after_a_root_reduced_leaves_its_gradients_as_eager():
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     run_ranks(_second_backward_keeps_the_root_gradients, min(2, torch.cuda.device_count()))
+
+
+def _towers(model, idx, targets):
+    """One root, two towers over its embedding: blocks 0-1 and 2-3, each with its own loss (run as
+    the root's forward: ``register_fsdp_forward_method``)."""
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    h = model.tok_emb(idx) + model.pos_emb(pos)
+    losses = []
+    for tower, shift in ((model.blocks[:2], 0), (model.blocks[2:], 1)):
+        x = h
+        for block in tower:
+            x = block(x)
+        logits = model.lm_head(model.ln_f(x)).float()
+        losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ((targets + shift) % CFG.vocab_size)
+                                                        .flatten()))
+    return tuple(losses)
+
+
+def _train_towers(info, graphed: bool, dtype=torch.float32):
+    model = _build(info, oversized_block=False, wide_root=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    root = units_in(model)[0]
+    model.towers = types.MethodType(_towers, model)
+    fsdp_graph.register_fsdp_forward_method(model, "towers")
+    if graphed:
+        sample = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=dtype, requires_grad=True)
+        fsdp_graph.graph_modules(list(model.blocks), [(sample,)] * CFG.n_layers)
+        assert root.grads.sharded.home is not None, "the root should be homed"
+    losses = []
+    for i in range(6):
+        loss_v, loss_t = model.towers(*_batch(i, info))
+        loss_t.backward(retain_graph=True)  # (the root reduces here, tower v's backward still to come)
+        loss_v.backward()
+        assert not root.grads.sharded._at_home, "the root wrote its home while tower v's graphs needed it"
+        opt.step()
+        opt.zero_grad()
+        losses.append(torch.stack([loss_v.detach(), loss_t.detach()]))
+    return torch.stack(losses), fsdp_graph.full_state_dict(model)
+
+
+def _towers_match_eager(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    eager_losses, eager_state = _train_towers(info, False)
+    for dtype in (torch.float32, torch.bfloat16):  # (two samples, two layouts of the pool)
+        losses, state = _train_towers(info, True, dtype)
+        assert torch.equal(losses, eager_losses), f"{dtype}: {losses.tolist()} vs eager {eager_losses.tolist()}"
+        for key, value in eager_state.items():
+            assert torch.equal(state[key], value), f"{dtype}: {key} differs from eager"
+
+
+def test_a_root_reduced_before_its_other_towers_backward_leaves_their_graphs_memory_alone():
+    """One root, two towers graphed in one call, two losses: the first backward reaches the root while
+    the other tower's graphs still await theirs, and its home may share their memory (taken after
+    tower v's first block's capture, the last). That reduce takes memory of its own; bitwise as eager."""
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_towers_match_eager, min(2, torch.cuda.device_count()))

@@ -15,6 +15,10 @@ captured later gets it. A root that reduces in pieces between the graphs reduces
 backward, after that of its model's first graph (in call order), so it is homed after that graph's
 capture (``graphs/gradient_homes.roots_homed_after``): not after the last capture, whose free memory
 may be another model's activations, still to be read by that model's backward (a second loss).
+A backward can still reach a root before all of its graphs' backwards have run (two losses over two
+towers of one model): so each home is given ``busy``, whether a graph whose memory it may share has
+replayed a forward and awaits its backward, and a reduce that finds one busy leaves the home alone
+and takes memory of its own for that step.
 
 The gradients stay the user's as in FSDP2: ``zero_grad()`` drops them, ``.grad`` objects can be
 kept. Before a graph of the pool replays a forward, ``GradHomes.vacate`` moves values someone still

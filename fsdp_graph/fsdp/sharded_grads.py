@@ -53,6 +53,7 @@ class ShardedGrads:
         self._own_holders: tuple | None = None  # who holds the buffer and its views when only we do
         self.home: list[torch.Tensor] | None = None  # per parameter, memory in a graph pool (grad_homes.py)
         self.homes = None  # the GradHomes of that pool
+        self._home_busy = _never  # whether a graph that may share the home's memory still awaits its backward
         self._home_storages: list[int] = []  # the pieces' storages (read while at home only)
         self._home_rows = HomeRows(layout)
         self._at_home = False  # the views are the home's pieces (and ``flat`` an empty stand-in)
@@ -92,7 +93,15 @@ class ShardedGrads:
 
     def _homed(self) -> bool:
         """Whether the reduce writes the home: always while no ``.grad`` is set (the buffer moves there,
-        a holder of the old one keeping it); with ``.grad`` set, only if the values are there."""
+        a holder of the old one keeping it); with ``.grad`` set, only if the values are there. Never
+        while a graph that may share the home's memory awaits its backward (``set_home``'s ``busy``):
+        the values it still needs are there, and it would overwrite the gradients; they take memory
+        of their own for this step."""
+        if self._home_busy():
+            self.leave_home_if_held("a reduce while a graph's backward is pending")
+            if self._at_home:
+                self._detach()
+            return False
         if any(p.master.grad is not None for p in self.params):
             return self._at_home
         if self._at_home:
@@ -105,15 +114,18 @@ class ShardedGrads:
             self._adopt(self._like.new_empty(0), [piece.view(piece.shape) for piece in self.home])
         return True
 
-    def set_home(self, homes) -> bool:
+    def set_home(self, homes, busy=None) -> bool:
         """Take the home, with the allocator routed into a graph pool (``graphs/gradient_homes.py``).
-        Not for a pinned buffer, nor where torch cannot count who holds a storage."""
+        Not for a pinned buffer, nor where torch cannot count who holds a storage. ``busy()``: whether
+        a graph whose memory the home may share (one whose backward was captured before it was
+        taken) has replayed a forward and awaits its backward; None: none can."""
         if self.home is not None or self.pinned or not self._like.numel() or _storage_uses(self._like) is None:
             return False
         with torch.inference_mode(False):
             self.home = [torch.empty_like(local) for local in self.layout.local_views(self._like)]
         self._home_storages = [piece.untyped_storage()._cdata for piece in self.home]  # (the pieces hold them)
         self.homes = homes
+        self._home_busy = busy or _never
         homes.members.append(self)
         return True
 
@@ -157,6 +169,7 @@ class ShardedGrads:
         if self in self.homes.members:
             self.homes.members.remove(self)
         self.home = self.homes = None
+        self._home_busy = _never
         self._home_storages = []
         self._home_rows = HomeRows(self.layout)  # (its plan holds views of the old pieces: a new home needs its own)
 
@@ -336,3 +349,7 @@ def _like_master(param: ShardedParam, local: torch.Tensor) -> torch.Tensor:
     if isinstance(master, DTensor):
         return DTensor(local, master._spec, requires_grad=False)
     return param.wrap(local)
+
+
+def _never() -> bool:
+    return False

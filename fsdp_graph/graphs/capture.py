@@ -519,7 +519,7 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
         try:
             passes, backwards = capture_pass(
                 calls, links, forward_only, pool, stream,
-                after_backward=None if homed is None else lambda i: home_gradients(homed.get(i, []), group.homes,
+                after_backward=None if homed is None else lambda i: home_gradients(homed.get(i, []), group, i,
                                                                                    pool, stream))
             for call, fwd, target in zip(calls, passes, targets):  # (refused before anything is pinned or installed)
                 check_target(target, fwd.joins, f"graphed {call.name}", stream.device)
