@@ -373,3 +373,37 @@ def test_two_models_graphed_in_one_call_home_each_root_after_its_own_first_graph
     assert roots_homed_after([[u] for u in a + b]) == {0: [roots[0]], 3: [roots[1]]}
     assert roots_homed_after([[b[0]], [a[0]], [b[1]], [a[1]]]) == {0: [roots[1]], 1: [roots[0]]}
     assert roots_homed_after([[a[0], roots[0]], [a[1]]]) == {}  # (a root a graph holds is homed as a unit)
+
+
+def test_a_home_is_busy_while_a_graph_from_its_homing_index_on_awaits_its_backward():
+    """The guard's predicate: a home taken after member ``i``'s backward capture may share the memory
+    of members ``i`` and later (captured before it), not of earlier ones (whose activations were still
+    allocated). It holds the group weakly: a home does not keep its graphs alive."""
+    import gc
+    import weakref
+
+    from fsdp_graph.graphs.gradient_homes import _backward_pending
+    from fsdp_graph.graphs.graphed_callable import CaptureGroup
+
+    class Member:
+        pending = False
+
+        def backward_pending(self) -> bool:
+            return self.pending
+
+    group = CaptureGroup()
+    group.members = [Member() for _ in range(4)]
+    ref = weakref.ref(group)
+    assert not any(_backward_pending(ref, i) for i in range(4))
+    group.members[1].pending = True  # (its forward replayed, its backward not yet)
+    assert [_backward_pending(ref, i) for i in range(4)] == [True, True, False, False]
+    group.members[3].pending = True
+    assert [_backward_pending(ref, i) for i in range(4)] == [True, True, True, True]
+    group.members[1].pending = False
+    assert [_backward_pending(ref, i) for i in range(4)] == [True, True, True, True]
+    group.members[3].pending = False
+    assert not any(_backward_pending(ref, i) for i in range(4))
+    group.members[0].pending = True
+    del group
+    gc.collect()
+    assert not _backward_pending(ref, 0), "a group that is gone has no graph to wait for"

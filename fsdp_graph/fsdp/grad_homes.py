@@ -47,6 +47,24 @@ class GradHomes:
     def __init__(self) -> None:
         self.members: list = []  # ShardedGrads
         self.written = False
+        self._busy: dict[int, object] = {}  # id(member) -> whether a graph sharing its home awaits its backward
+
+    def add(self, grads, busy=None) -> None:
+        """``busy()``: whether a graph whose memory ``grads``' home may share (one whose backward was
+        captured before the home was taken) has replayed a forward and awaits its backward; None:
+        none can. A reduce leaves a busy home alone (``ShardedGrads._homed``)."""
+        self.members.append(grads)
+        if busy is not None:
+            self._busy[id(grads)] = busy
+
+    def remove(self, grads) -> None:
+        if grads in self.members:
+            self.members.remove(grads)
+        self._busy.pop(id(grads), None)
+
+    def busy(self, grads) -> bool:
+        busy = self._busy.get(id(grads))
+        return busy is not None and busy()
 
     def vacate(self, what: str) -> None:
         """Before ``what`` (a graph of the pool) replays a forward, which may write any home."""
@@ -60,6 +78,7 @@ class GradHomes:
         for grads in list(self.members):
             grads.give_up_home()
         self.members.clear()
+        self._busy.clear()
 
 
 class HomeRows:

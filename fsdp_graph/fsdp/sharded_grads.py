@@ -53,7 +53,6 @@ class ShardedGrads:
         self._own_holders: tuple | None = None  # who holds the buffer and its views when only we do
         self.home: list[torch.Tensor] | None = None  # per parameter, memory in a graph pool (grad_homes.py)
         self.homes = None  # the GradHomes of that pool
-        self._home_busy = _never  # whether a graph that may share the home's memory still awaits its backward
         self._home_storages: list[int] = []  # the pieces' storages (read while at home only)
         self._home_rows = HomeRows(layout)
         self._at_home = False  # the views are the home's pieces (and ``flat`` an empty stand-in)
@@ -94,10 +93,8 @@ class ShardedGrads:
     def _homed(self) -> bool:
         """Whether the reduce writes the home: always while no ``.grad`` is set (the buffer moves there,
         a holder of the old one keeping it); with ``.grad`` set, only if the values are there. Never
-        while a graph that may share the home's memory awaits its backward (``set_home``'s ``busy``):
-        the values it still needs are there, and it would overwrite the gradients; they take memory
-        of their own for this step."""
-        if self._home_busy():
+        while a graph that may share its memory awaits its backward (``GradHomes.add``)."""
+        if self.homes.busy(self):
             self.leave_home_if_held("a reduce while a graph's backward is pending")
             if self._at_home:
                 self._detach()
@@ -116,17 +113,15 @@ class ShardedGrads:
 
     def set_home(self, homes, busy=None) -> bool:
         """Take the home, with the allocator routed into a graph pool (``graphs/gradient_homes.py``).
-        Not for a pinned buffer, nor where torch cannot count who holds a storage. ``busy()``: whether
-        a graph whose memory the home may share (one whose backward was captured before it was
-        taken) has replayed a forward and awaits its backward; None: none can."""
+        Not for a pinned buffer, nor where torch cannot count who holds a storage. ``busy``: as for
+        ``GradHomes.add``."""
         if self.home is not None or self.pinned or not self._like.numel() or _storage_uses(self._like) is None:
             return False
         with torch.inference_mode(False):
             self.home = [torch.empty_like(local) for local in self.layout.local_views(self._like)]
         self._home_storages = [piece.untyped_storage()._cdata for piece in self.home]  # (the pieces hold them)
         self.homes = homes
-        self._home_busy = busy or _never
-        homes.members.append(self)
+        homes.add(self, busy)
         return True
 
     def leave_home_if_held(self, what: str) -> None:
@@ -166,10 +161,8 @@ class ShardedGrads:
         self.leave_home_if_held("pinning the sharded gradients")
         if self._at_home:
             self._detach()
-        if self in self.homes.members:
-            self.homes.members.remove(self)
+        self.homes.remove(self)
         self.home = self.homes = None
-        self._home_busy = _never
         self._home_storages = []
         self._home_rows = HomeRows(self.layout)  # (its plan holds views of the old pieces: a new home needs its own)
 
@@ -286,22 +279,23 @@ class ShardedGrads:
                 else:
                     self.flat.copy_(values)
 
-    def reattach(self) -> None:
-        """After ``Module._apply`` swapped the masters' ``.grad`` tensors: values back into the
-        buffer, and each ``.grad`` a view of it again (see ``ShardedParam.reattach``)."""
-        if not self.live:
-            return
-        for param, view in zip(self.params, self.local_views):
-            grad = param.master.grad
-            found = None if grad is None else local_tensor(grad)
-            if found is None or found.data_ptr() == view.data_ptr() or not view.numel():
-                continue
-            with torch.no_grad():
-                view.copy_(found)
-            if grad is not found:
-                grad._local_tensor = view
-            else:
-                grad.data = view
+
+def reattach_grads(grads: ShardedGrads) -> None:
+    """After ``Module._apply`` swapped the masters' ``.grad`` tensors: values back into the
+    buffer, and each ``.grad`` a view of it again (see ``ShardedParam.reattach``)."""
+    if not grads.live:
+        return
+    for param, view in zip(grads.params, grads.local_views):
+        grad = param.master.grad
+        found = None if grad is None else local_tensor(grad)
+        if found is None or found.data_ptr() == view.data_ptr() or not view.numel():
+            continue
+        with torch.no_grad():
+            view.copy_(found)
+        if grad is not found:
+            grad._local_tensor = view
+        else:
+            grad.data = view
 
 
 def _add_rows(layout: FlatLayout, grad: torch.Tensor, i: int, start: int, values: torch.Tensor, scale: float) -> None:
@@ -350,6 +344,3 @@ def _like_master(param: ShardedParam, local: torch.Tensor) -> torch.Tensor:
         return DTensor(local, master._spec, requires_grad=False)
     return param.wrap(local)
 
-
-def _never() -> bool:
-    return False

@@ -18,6 +18,7 @@ CUDA graph trees do; where it is missing the gradients stay where they were.
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import torch
@@ -31,9 +32,10 @@ def home_gradients(units: list[FSDPUnit], group, index: int, pool, stream: torch
     ``group``'s member ``index`` (a per-layer graph or a segment, in call order). The home may share
     the memory of the members from ``index`` on (their backwards were captured before it): while one
     of them has replayed a forward and awaits its backward, a reduce leaves the home alone. For a
-    unit that never happens (its reduce follows its first graph's backward, which replays after
-    every later member's); for a root it does where a backward reaches it before all of its graphs'
-    backwards have run (two losses over two towers of one model, the second still to come)."""
+    unit whose graphs form one chain that never happens (its reduce follows its first graph's
+    backward, which replays after every later member's); it does where a backward reaches a unit
+    before all of its graphs' backwards have run: a root, or a unit with modules in two towers of
+    one model, under two losses, the second still to come."""
     begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     release = getattr(torch._C, "_cuda_releasePool", None)
@@ -45,7 +47,7 @@ def home_gradients(units: list[FSDPUnit], group, index: int, pool, stream: torch
         begin(device, pool)
         try:
             for unit in units:
-                unit.grads.sharded.set_home(group.homes, partial(_backward_pending, group, index))
+                unit.grads.sharded.set_home(group.homes, partial(_backward_pending, weakref.ref(group), index))
         finally:
             end(device, pool)
             release(device, pool)
@@ -72,5 +74,6 @@ def roots_homed_after(units_per_graph: list[list[FSDPUnit]]) -> dict[int, list[F
     return homed
 
 
-def _backward_pending(group, index: int) -> bool:
-    return any(member.backward_pending() for member in group.members[index:])
+def _backward_pending(group_ref, index: int) -> bool:
+    group = group_ref()  # (weak: a home does not keep its graphs alive)
+    return group is not None and group.pending_from(index) is not None

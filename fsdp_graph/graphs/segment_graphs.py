@@ -465,6 +465,7 @@ def _warm_up_and_capture(segments: list[GraphedSegment], chained: list[bool], un
                 f"graph_segments: backward of segment {segment.name}", lambda s=segment, o=outputs: _run_backward(s, o),
                 contexts, stream, pool)
             if own_pool:  # (its activations freed: the units' gradients from that memory, gradient_homes.py)
+                assert segment.group.members[i] is segment  # (the index a home's guard reads from)
                 home_gradients(segment.units + roots.get(i, []), segment.group, i, pool, stream)
             segment.static_outputs = [o.detach() for o in outputs]
             segment.claims_backward = _claims(list(reversed(segment.units)))

@@ -1,6 +1,8 @@
 """One GPU: the parity test's cases on a 1 x 1 HSDP mesh, so the units hold real NCCL groups of one
 rank and the root's piece graphs capture a real reduce-scatter and all-reduce with the write."""
-import os, sys
+import os
+import sys
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
 from dist_harness import run_ranks

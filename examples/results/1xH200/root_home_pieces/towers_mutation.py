@@ -1,9 +1,12 @@
 """The two-tower GPU test with the busy guard switched off: it must fail (the guard is what it tests)."""
-import os, sys
+import os
+import sys
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-from dist_harness import run_ranks
 import test_gradient_homes_gpu as T
+
+from dist_harness import run_ranks
 
 
 def unguarded(info):

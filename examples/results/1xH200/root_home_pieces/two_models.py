@@ -1,11 +1,14 @@
 """Diagnose: two GPTs graphed in one call, backwards B then A; which parameters' step-0 gradients differ from eager."""
-import os, sys
+import os
+import sys
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
 import torch
+
 import fsdp_graph
-import fsdp_graph.graphs.capture as capture
 from fsdp_graph.fsdp.registry import units_in
+
 from dist_harness import run_ranks
 from test_graph_parity_gpu import CFG, _batch, _build
 
@@ -29,9 +32,11 @@ def run(info, graphed, order="BA", late=True, collective=None, dtype=torch.float
         for which in order:
             (la if which == "A" else lb).backward()
         if i == 0:
-            grads0 = [{n: _local(p.grad).clone() for n, p in m.named_parameters() if p.grad is not None} for m in models]
+            grads0 = [{n: _local(p.grad).clone() for n, p in m.named_parameters() if p.grad is not None}
+                      for m in models]
         for o in opts:
-            o.step(); o.zero_grad()
+            o.step()
+            o.zero_grad()
         losses.append(torch.stack([la.detach(), lb.detach()]))
     homes = [units_in(m)[0].grads.sharded.home is not None for m in models]
     return torch.stack(losses), grads0, homes
@@ -51,8 +56,8 @@ def main(info):
                     elif not torch.equal(g[n], eg[n]):
                         bad.append(f"{'AB'[m]}:{n}:{(g[n].float() - eg[n].float()).abs().max().item():.3g}")
             same = [torch.equal(losses[:, k], e_losses[:, k]) for k in range(2)]
-            print(f"order {order} {kw} homes {homes}: losses equal A,B {same}; step-0 grads differing {len(bad)}: {bad[:12]}",
-                  flush=True)
+            print(f"order {order} {kw} homes {homes}: losses equal A,B {same}; "
+                  f"step-0 grads differing {len(bad)}: {bad[:12]}", flush=True)
 
 
 if __name__ == "__main__":
