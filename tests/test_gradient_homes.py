@@ -22,24 +22,32 @@ from models import RecordingCollectiveBodies, build, local_loss, on_fixed_buffer
 pytestmark = pytest.mark.cpu_only  # CPU and gloo: CI runs it; the graphs' half runs in the GPU suite
 
 
-def _homed(model) -> GradHomes:
+def _homed(model, busy=None) -> GradHomes:
     homes = GradHomes()
     for unit in units_in(model):
-        assert unit.grads.sharded.set_home(homes)
+        assert unit.grads.sharded.set_home(homes, busy)
     return homes
 
 
 def _before_forward(homes: GradHomes) -> None:
     homes.vacate("a forward replay")
+    _fill_homes(homes)  # what the forward's activations would do to it
+
+
+def _fill_homes(homes: GradHomes) -> None:
     for grads in homes.members:
         for piece in grads.home:
-            piece.fill_(float("nan"))  # what the forward's activations would do to it
+            piece.fill_(float("nan"))
 
 
-def _train(info, homed: bool, set_to_none: bool, accumulate: bool, keep_objects: bool, vocab: int = 301):
+def _train(info, homed: bool, set_to_none: bool, accumulate: bool, keep_objects: bool, vocab: int = 301,
+           busy_steps: tuple = ()):
+    """``busy_steps``: steps whose reduces find a graph that may share the homes' memory awaiting
+    its backward (``set_home``'s ``busy``), which then writes the homes (NaN) after the reduce."""
     model, _ = build(info.device, vocab=vocab, n_blocks=3)
     shard(model)
-    homes = _homed(model) if homed else None
+    busy = [False]
+    homes = _homed(model, lambda: busy[0]) if homed else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kept, values, losses = [], [], []
     for step in range(4):
@@ -47,8 +55,13 @@ def _train(info, homed: bool, set_to_none: bool, accumulate: bool, keep_objects:
             if homes is not None:
                 _before_forward(homes)
             loss = local_loss(model, 2 * step + micro, info)
+            busy[0] = step in busy_steps
             loss.backward()
             losses.append(loss.detach())
+            if busy[0]:
+                assert not any(g._at_home for g in homes.members), "a reduce wrote a home a pending graph shares"
+                _fill_homes(homes)  # (the pending backward's replay)
+                busy[0] = False
         for g, v in zip(kept, values):  # the step before's .grad objects, across this step's forward
             assert torch.equal(_local(g), v), "a kept .grad object changed"
         if keep_objects:
@@ -67,15 +80,19 @@ def _homes_train_as_without(info) -> None:
     cases = {"zero_grad()": (True, False, False, 301), "zero_grad(set_to_none=False)": (False, False, False, 301),
              "two backwards per step": (True, True, False, 301), ".grad objects kept": (True, False, True, 301),
              # the root reduced in pieces, one of which holds none of the last rank's embedding rows
-             "a piece with no rows here": (True, False, False, 277)}
-    for what, (set_to_none, accumulate, keep, vocab) in cases.items():
-        losses, params, homes = _train(info, True, set_to_none, accumulate, keep, vocab)
+             "a piece with no rows here": (True, False, False, 277),
+             # a graph that may share the homes' memory awaits its backward at the reduces of steps 1
+             # and 2 (two losses over two towers, the second still to come): own memory that step
+             "a graph's backward pending": (True, False, False, 301, (1, 2)),
+             "a graph's backward pending, two backwards per step": (True, True, False, 301, (1,))}
+    for what, (set_to_none, accumulate, keep, vocab, *busy) in cases.items():
+        losses, params, homes = _train(info, True, set_to_none, accumulate, keep, vocab, *busy)
         ref_losses, ref_params, _ = _train(info, False, set_to_none, accumulate, keep, vocab)
         assert torch.equal(losses, ref_losses), f"{what}: {losses.tolist()} vs {ref_losses.tolist()}"
         for p, q in zip(params, ref_params):
             assert torch.equal(_local(p), _local(q)), what
         at_home = [g._at_home for g in homes.members]
-        if what in ("zero_grad()", "a piece with no rows here"):
+        if what in ("zero_grad()", "a piece with no rows here", "a graph's backward pending"):
             assert all(at_home), "with .grad set to None the reduce writes the home"
         elif what == "zero_grad(set_to_none=False)":
             assert not any(at_home), "values kept across the forward move out, and stay out"
@@ -255,17 +272,26 @@ def _train_reduces(info, graphs: bool, variant: str):
         grads.append([_local(p.grad).clone() for p in model.parameters() if p.requires_grad])
         opt.step()
         opt.zero_grad(set_to_none=variant != "grads_kept")
-    return grads, hooked, bodies
+    root = model.fsdp_unit
+    return grads, hooked, bodies, root.grads.reduce.pieces(root.param_group.scratch)
 
 
 def _reduce_writes_in_its_graph(info) -> None:
     for variant in ("grads_dropped", "grads_kept", "divide_factor"):
-        graphed, hooked, bodies = _train_reduces(info, True, variant)
-        eager, eager_hooked, _ = _train_reduces(info, False, variant)
+        graphed, hooked, bodies, pieces = _train_reduces(info, True, variant)
+        eager, eager_hooked, _, _ = _train_reduces(info, False, variant)
         for step, (a, b) in enumerate(zip(graphed, eager)):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), (variant, step)
         assert len(hooked) == 4 and all(torch.equal(x, y) for x, y in zip(hooked, eager_hooked)), variant
-        blocks = bodies[1:]  # (the root goes through the staging in pieces, eagerly)
+        # The root goes through the staging in pieces: each piece's reduce-scatter and write in one
+        # body, under one key per piece from step to step, where its .grad were all None.
+        assert pieces is not None and len(pieces) > 2, pieces
+        combined = [key for name, key in bodies[0].runs if name == "reduce_scatter_and_write_piece"]
+        alone = [key for name, key in bodies[0].runs if name == "reduce_scatter_piece"]
+        steps_fresh = 1 if variant == "grads_kept" else 4
+        assert len(combined) == steps_fresh * len(pieces) and len(set(combined)) == len(pieces), (variant, combined)
+        assert len(alone) == (4 - steps_fresh) * len(pieces), (variant, bodies[0].runs)
+        blocks = bodies[1:]
         for i, recorded in enumerate(blocks):
             combined = [key for name, key in recorded.runs if name == "reduce_scatter_and_write"]
             if variant == "grads_dropped" or (variant == "divide_factor" and i != 1):
@@ -279,7 +305,8 @@ def _reduce_writes_in_its_graph(info) -> None:
 def test_a_homed_units_reduce_writes_the_shard_in_its_reduce_scatter_graph_bitwise_as_eagerly():
     """With collective graphs (their bodies run eagerly here, at fixed addresses as for real graphs)
     a homed unit whose ``.grad`` are all None writes the reduced shard inside its reduce-scatter's
-    body, under one key from step to step; kept ``.grad`` and a divide factor write outside it.
+    body, under one key from step to step (the root, which reduces in pieces, each piece's rows in
+    that piece's body); kept ``.grad`` and a divide factor write outside it.
     Gradients and post-accumulate-grad hooks equal a model without homes or graphs, bit for bit, with
     each home filled with NaN before every forward as a forward replay may."""
     run_ranks(_reduce_writes_in_its_graph, 2)
@@ -311,3 +338,72 @@ def test_a_home_given_up_and_taken_again_is_written_where_grad_reads():
     """The writer's plan (views of the home's pieces) is made for one home: a unit that gives its
     home up and later takes a new one (graphs dropped, then graphed again) writes the new one."""
     run_ranks(_home_again, 2)
+
+
+def test_the_capture_homes_each_block_after_its_backward_and_a_root_in_pieces_with_its_first_block():
+    """Per-layer graphs home a unit's gradients after the backward capture of its first module (the
+    last of its modules captured: captures run in reverse), and a root that reduces in pieces between
+    the graphs with its model's first graphed module: it reduces at the end of its backward, right
+    after that one's. A root that fits the staging has no graphs of its own and is not homed."""
+    from fsdp_graph.graphs.capture import CaptureTarget, _homing
+
+    for vocab, root_homed in ((301, True), (7, False)):
+        model = shard(build(torch.device("cpu"), vocab=vocab, n_blocks=3)[0])
+        root_contexts(model)  # (plans the staging, as the capture finds it)
+        calls = [CaptureTarget(block, f"block {i}", (), {}, {}) for i, block in enumerate(model.blocks)]
+        blocks = [units_in(block)[0] for block in model.blocks]
+        expected = {0: [blocks[0]] + ([model.fsdp_unit] if root_homed else []), 1: [blocks[1]], 2: [blocks[2]]}
+        assert _homing(calls) == expected, vocab
+
+
+def test_two_models_graphed_in_one_call_home_each_root_after_its_own_first_graph():
+    """Two models in one call (two losses): A's blocks, then B's. B's root reduces at the end of B's
+    backward, which replays before A's, while A's saved activations are still to be read: homed
+    after B's first block's capture, when those are still allocated, not after the last capture,
+    whose free memory they are (found on GPU: B's root overwrote A's activations). Interleaved calls
+    home each root with the first call that holds one of its units."""
+    from fsdp_graph.graphs.gradient_homes import roots_homed_after
+
+    models = []
+    for _ in range(2):
+        models.append(shard(build(torch.device("cpu"), vocab=301, n_blocks=3)[0]))
+        root_contexts(models[-1])
+    a, b = ([units_in(block)[0] for block in m.blocks] for m in models)
+    roots = [m.fsdp_unit for m in models]
+    assert roots_homed_after([[u] for u in a + b]) == {0: [roots[0]], 3: [roots[1]]}
+    assert roots_homed_after([[b[0]], [a[0]], [b[1]], [a[1]]]) == {0: [roots[1]], 1: [roots[0]]}
+    assert roots_homed_after([[a[0], roots[0]], [a[1]]]) == {}  # (a root a graph holds is homed as a unit)
+
+
+def test_a_home_is_busy_while_a_graph_from_its_homing_index_on_awaits_its_backward():
+    """The guard's predicate: a home taken after member ``i``'s backward capture may share the memory
+    of members ``i`` and later (captured before it), not of earlier ones (whose activations were still
+    allocated). It holds the group weakly: a home does not keep its graphs alive."""
+    import gc
+    import weakref
+
+    from fsdp_graph.graphs.gradient_homes import _backward_pending
+    from fsdp_graph.graphs.graphed_callable import CaptureGroup
+
+    class Member:
+        pending = False
+
+        def backward_pending(self) -> bool:
+            return self.pending
+
+    group = CaptureGroup()
+    group.members = [Member() for _ in range(4)]
+    ref = weakref.ref(group)
+    assert not any(_backward_pending(ref, i) for i in range(4))
+    group.members[1].pending = True  # (its forward replayed, its backward not yet)
+    assert [_backward_pending(ref, i) for i in range(4)] == [True, True, False, False]
+    group.members[3].pending = True
+    assert [_backward_pending(ref, i) for i in range(4)] == [True, True, True, True]
+    group.members[1].pending = False
+    assert [_backward_pending(ref, i) for i in range(4)] == [True, True, True, True]
+    group.members[3].pending = False
+    assert not any(_backward_pending(ref, i) for i in range(4))
+    group.members[0].pending = True
+    del group
+    gc.collect()
+    assert not _backward_pending(ref, 0), "a group that is gone has no graph to wait for"

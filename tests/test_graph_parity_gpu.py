@@ -117,6 +117,7 @@ def _train(info, selection: str | None, oversized_block: bool, graph_at_step: in
         root = root_contexts(model)[0].root
         pieces = check_piece_replays(root, STEPS - graph_at_step, collective_graphs)
         assert pieces or root.grads.collective_graphs is None, "a root that fits the staging stays eager"
+        assert (root.grads.sharded.home is not None) == bool(pieces), "a root reducing in pieces has a home"
         assert (pieces > 0) == (variant == "wide_root"), f"the root reduces in {pieces} pieces"
     return torch.stack(losses), fsdp_graph.full_state_dict(model)
 
@@ -157,13 +158,16 @@ def _check_collective_replays(model: GPT, selection: str, oversized_block: bool,
 def check_piece_replays(unit, steps: int, on: bool) -> int:
     """A unit that reduces in pieces through the shared staging replayed each piece's reduce-scatter
     from the second step on, and nothing else (its unshard and copy-in stage on their own or read
-    autograd's tensors), with collective graphs ``on``; nothing without. Returns its pieces."""
+    autograd's tensors), with collective graphs ``on``; nothing without. Where its sharded gradients
+    have a home in the graphs' pool (and ``zero_grad()`` drops them each step), each piece's write
+    into them replayed in the same graph. Returns its pieces."""
     pieces = unit.grads.reduce.pieces(unit.param_group.scratch) or []
     graphs = unit.grads.collective_graphs
     replays = {} if graphs is None else graphs.replays
     if on and pieces:
-        assert set(replays) == {"reduce_scatter_piece"}, (unit.name, replays)
-        assert replays["reduce_scatter_piece"] >= (steps - 1) * len(pieces), (unit.name, replays, len(pieces), steps)
+        name = "reduce_scatter_piece" if unit.grads.sharded.home is None else "reduce_scatter_and_write_piece"
+        assert set(replays) == {name}, (unit.name, replays)
+        assert replays[name] >= (steps - 1) * len(pieces), (unit.name, replays, len(pieces), steps)
     elif pieces:
         assert not replays, f"{unit.name} replayed {replays} but may not"
     return len(pieces)

@@ -47,11 +47,12 @@ def _ranks() -> int:
     return min(2, torch.cuda.device_count())
 
 
-def _train_step(info, segment_size: int | None, oversized_block: bool = False, wide_root: bool = False):
+def _train_step(info, segment_size: int | None, oversized_block: bool = False, wide_root: bool = False,
+                collective_graphs: bool | None = None):
     model = _build(info, oversized_block, wide_root=wide_root)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3, device=info.device), capturable=True)
     config = GraphConfig() if segment_size is None else GraphConfig(
-        strategy="layer", segment_size=segment_size, num_warmup_iters=WARMUP)
+        strategy="layer", segment_size=segment_size, num_warmup_iters=WARMUP, collective_graphs=collective_graphs)
     step = fsdp_graph.make_train_step(lambda idx, targets: model(idx, targets)[1], model, opt, config=config,
                                       max_grad_norm=1.0, example_batch=_batch(0, info))
     losses = torch.stack([step(*_batch(i, info)) for i in range(STEPS)])
@@ -60,8 +61,9 @@ def _train_step(info, segment_size: int | None, oversized_block: bool = False, w
         assert len(segments) == -(-CFG.n_layers // segment_size)
         assert all(s.replays == STEPS for s in segments), [s.replays for s in segments]  # no silent eager
         _assert_chained(list(segments))
-        root = units_in(model)[0]  # (a wide root's reduce-scatters replay between the segments)
-        assert (check_piece_replays(root, STEPS, True) > 0) == wide_root
+        root = units_in(model)[0]  # (a wide root's reduce-scatters and writes replay between the segments)
+        on = collective_graphs is not False  # (its home is taken either way: eager writes go there too)
+        assert (check_piece_replays(root, STEPS, on) > 0) == wide_root == (root.grads.sharded.home is not None)
     model.eval()
     with torch.no_grad():
         logits = model(_batch(STEPS, info)[0])
@@ -97,8 +99,12 @@ def _segments_match_eager(info) -> None:
     _compare("segment_size=2, an oversized block", _train_step(info, 2, True), _train_step(info, None, True))
     # A wider vocabulary: the root reduces in pieces through the shared staging, and their
     # reduce-scatters replay as collective graphs between the segments.
-    _compare("segment_size=2, a wide root", _train_step(info, 2, wide_root=True),
-             _train_step(info, None, wide_root=True))
+    wide_eager = _train_step(info, None, wide_root=True)
+    _compare("segment_size=2, a wide root", _train_step(info, 2, wide_root=True), wide_eager)
+    # The same, its reduce-scatters asked to replay (True) and kept eager (False) explicitly.
+    for on in (True, False):
+        _compare(f"segment_size=2, a wide root, collective_graphs={on}",
+                 _train_step(info, 2, wide_root=True, collective_graphs=on), wide_eager)
 
 
 def test_segment_graphs_train_bitwise_as_eager():

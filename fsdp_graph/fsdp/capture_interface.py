@@ -124,7 +124,8 @@ def replayable_roots(contexts) -> list[FSDPUnit]:
     """The root units of ``contexts`` that reduce through the shared staging in pieces and have
     persistent buffers. Where no graph of the layer strategies encloses a root, its steps stay eager
     between them, and its reduce in pieces is the largest of them on the host; each piece's
-    reduce-scatter touches only the staging, so it replays with no memory of its own. (A root that
+    reduce-scatter touches only the staging, so it replays with no memory of its own (and its write
+    with it, once the graphs give the root a home: ``graphs/gradient_homes.py``). (A root that
     fits the staging would need a persistent gradient buffer for its copy-in to replay: it stays
     eager. So does one sharded without persistent buffers: it was not made ready for graphs.)"""
     return [ctx.root for ctx in contexts

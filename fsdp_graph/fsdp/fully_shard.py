@@ -29,6 +29,7 @@ from .param_group import ShardState, note_master_writes, watch_master_writes
 from .registry import ENCLOSING_ATTR, ROOT_ATTR, UNIT_ATTR, pinned_by, root_of, unit_of, units_in
 from .replaced_params_check import install as install_replaced_params_check
 from .root import RootContext
+from .sharded_grads import reattach_grads
 from .sharded_param import master_owner, replaced_by
 from .unit import FSDPUnit, UnitConfig
 from .verify import verify_same_weights
@@ -129,7 +130,7 @@ class FSDPModule:
         unit.require_idle(f"{type(self).__name__}._apply (to_empty, .to, .cuda)")
         result = super()._apply(fn, recurse)
         unit.param_group.reattach_masters()
-        unit.grads.sharded.reattach()
+        reattach_grads(unit.grads.sharded)
         return result
 
     @contextmanager

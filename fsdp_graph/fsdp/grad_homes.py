@@ -11,7 +11,14 @@ every forward's temporaries) is not written again before the next forward. So af
 backward of a unit's graph (per layer: of its first module; a segment: the unit's segment), the
 capture takes the unit's gradient buffer from the pool
 (``ShardedGrads.set_home``): the allocator hands out exactly that freed memory, and no graph
-captured later gets it.
+captured later gets it. A root that reduces in pieces between the graphs reduces at the end of its
+backward, after that of its model's first graph (in call order), so it is homed after that graph's
+capture (``graphs/gradient_homes.roots_homed_after``): not after the last capture, whose free memory
+may be another model's activations, still to be read by that model's backward (a second loss).
+A backward can still reach a root before all of its graphs' backwards have run (two losses over two
+towers of one model): so each home is given ``busy``, whether a graph whose memory it may share has
+replayed a forward and awaits its backward, and a reduce that finds one busy leaves the home alone
+and takes memory of its own for that step.
 
 The gradients stay the user's as in FSDP2: ``zero_grad()`` drops them, ``.grad`` objects can be
 kept. Before a graph of the pool replays a forward, ``GradHomes.vacate`` moves values someone still
@@ -40,6 +47,24 @@ class GradHomes:
     def __init__(self) -> None:
         self.members: list = []  # ShardedGrads
         self.written = False
+        self._busy: dict[int, object] = {}  # id(member) -> whether a graph sharing its home awaits its backward
+
+    def add(self, grads, busy=None) -> None:
+        """``busy()``: whether a graph whose memory ``grads``' home may share (one whose backward was
+        captured before the home was taken) has replayed a forward and awaits its backward; None:
+        none can. A reduce leaves a busy home alone (``ShardedGrads._homed``)."""
+        self.members.append(grads)
+        if busy is not None:
+            self._busy[id(grads)] = busy
+
+    def remove(self, grads) -> None:
+        if grads in self.members:
+            self.members.remove(grads)
+        self._busy.pop(id(grads), None)
+
+    def busy(self, grads) -> bool:
+        busy = self._busy.get(id(grads))
+        return busy is not None and busy()
 
     def vacate(self, what: str) -> None:
         """Before ``what`` (a graph of the pool) replays a forward, which may write any home."""
@@ -53,6 +78,7 @@ class GradHomes:
         for grads in list(self.members):
             grads.give_up_home()
         self.members.clear()
+        self._busy.clear()
 
 
 class HomeRows:
@@ -92,12 +118,13 @@ class HomeRows:
             dest.add_(source, alpha=scale)
 
     def fresh_write(self, pieces: list[torch.Tensor], scale: float) -> tuple:
-        """``write`` of a whole shard, fresh, as (key, ``body(values)``) for a collective graph
-        (``UnitReduce.whole``): the key is the pieces' addresses and the scale (the source's the
-        caller adds), which is all the recorded kernels depend on."""
+        """``write``, fresh, as (key, ``body(values, start=0)``) for a collective graph: of the whole
+        shard (``UnitReduce.whole``) or of each piece of a reduce in pieces (``UnitReduce.in_pieces``).
+        The key is the pieces' addresses and the scale (the source's and the start the caller adds),
+        which is all the recorded kernels depend on."""
         if self._addresses is None or self._addresses[0] is not pieces:  # (a home's pieces never move)
             self._addresses = (pieces, tuple(piece.data_ptr() for piece in pieces))
-        return (*self._addresses[1], scale), lambda values: self.write(pieces, 0, values, scale, True)
+        return (*self._addresses[1], scale), lambda values, start=0: self.write(pieces, start, values, scale, True)
 
     def _parts(self, values: torch.Tensor, sizes: list[int], kept: list[int]) -> list[torch.Tensor]:
         cached = self._source

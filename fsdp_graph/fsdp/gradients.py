@@ -20,7 +20,8 @@ After the backward, ``reduce`` copies the gradients into the shared reduce stagi
 casting to ``reduce_dtype`` (one ``_chunk_cat`` kernel), reduce-scatters it, all-reduces across
 HSDP replicas, and averages the result into the masters' ``.grad`` (accumulated if already set,
 as autograd does). A unit larger than the staging does so piece by piece (``reduce_pieces.py``;
-with collective graphs, each piece's reduce-scatter replays, keyed by the staging and its size).
+with collective graphs, each piece's reduce-scatter replays, keyed by the staging and its size, and
+where the sharded gradients are at their home and fresh, with the piece's write in the same graph).
 The masters' ``.grad`` live in ``sharded_grads.py``: views of one buffer per unit that follows
 ``zero_grad(set_to_none=...)`` as FSDP2's do (given back when every ``.grad`` was set to None, made
 again by the next reduce), or stays for good once pinned by a whole-step graph.
@@ -214,19 +215,19 @@ class UnitGradients:
             else:
                 sources = self._sources(target)
             scale = self._scale()
+            # (The whole reduce's copy-in replays from fixed addresses only: the unit's buffers, a graph's
+            # static gradients and the zeros, not autograd's own tensors. A piece's graph reads the staging.)
+            graphs = self.collective_graphs if (fixed or pieces) and can_replay(self.collective_graphs) else None
+            # (Not with a divide factor: one that changes each step would make a new graph each step.)
+            write = None if parked or graphs is None or self.divide_factor is not None \
+                else self.sharded.fresh_write(current, scale)
             if pieces is None:
-                # (A unit with collective graphs has fixed addresses: graph_modules requires them. So
-                # have a graph's static gradients and the zeros; autograd's own tensors have not.)
-                graphs = self.collective_graphs if fixed and can_replay(self.collective_graphs) else None
-                # (Not with a divide factor: one that changes each step would make a new graph each step.)
-                write = None if parked or graphs is None or self.divide_factor is not None \
-                    else self.sharded.fresh_write(current, scale)
                 self._hand_on(self.reduce.whole(sources, target, written is None, scratch, streams, graphs, write),
                               current, scale)
             else:
                 try:
-                    graphs = self.collective_graphs if can_replay(self.collective_graphs) else None
-                    self._hand_on(self.reduce.in_pieces(pieces, sources, scratch.reduce_in, graphs), current, scale)
+                    self._hand_on(self.reduce.in_pieces(pieces, sources, scratch.reduce_in, graphs, write),
+                                  current, scale)
                     if written is None:
                         target.tensor[: self.layout.unsharded_numel].zero_()  # for the next backward, off its path
                 finally:  # (also after a failed collective: what was queued reading the target is covered)

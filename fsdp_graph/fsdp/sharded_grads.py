@@ -92,7 +92,13 @@ class ShardedGrads:
 
     def _homed(self) -> bool:
         """Whether the reduce writes the home: always while no ``.grad`` is set (the buffer moves there,
-        a holder of the old one keeping it); with ``.grad`` set, only if the values are there."""
+        a holder of the old one keeping it); with ``.grad`` set, only if the values are there. Never
+        while a graph that may share its memory awaits its backward (``GradHomes.add``)."""
+        if self.homes.busy(self):
+            self.leave_home_if_held("a reduce while a graph's backward is pending")
+            if self._at_home:
+                self._detach()
+            return False
         if any(p.master.grad is not None for p in self.params):
             return self._at_home
         if self._at_home:
@@ -105,16 +111,17 @@ class ShardedGrads:
             self._adopt(self._like.new_empty(0), [piece.view(piece.shape) for piece in self.home])
         return True
 
-    def set_home(self, homes) -> bool:
+    def set_home(self, homes, busy=None) -> bool:
         """Take the home, with the allocator routed into a graph pool (``graphs/gradient_homes.py``).
-        Not for a pinned buffer, nor where torch cannot count who holds a storage."""
+        Not for a pinned buffer, nor where torch cannot count who holds a storage. ``busy``: as for
+        ``GradHomes.add``."""
         if self.home is not None or self.pinned or not self._like.numel() or _storage_uses(self._like) is None:
             return False
         with torch.inference_mode(False):
             self.home = [torch.empty_like(local) for local in self.layout.local_views(self._like)]
         self._home_storages = [piece.untyped_storage()._cdata for piece in self.home]  # (the pieces hold them)
         self.homes = homes
-        homes.members.append(self)
+        homes.add(self, busy)
         return True
 
     def leave_home_if_held(self, what: str) -> None:
@@ -154,8 +161,7 @@ class ShardedGrads:
         self.leave_home_if_held("pinning the sharded gradients")
         if self._at_home:
             self._detach()
-        if self in self.homes.members:
-            self.homes.members.remove(self)
+        self.homes.remove(self)
         self.home = self.homes = None
         self._home_storages = []
         self._home_rows = HomeRows(self.layout)  # (its plan holds views of the old pieces: a new home needs its own)
@@ -228,8 +234,9 @@ class ShardedGrads:
 
     def fresh_write(self, current: list, scale: float) -> tuple | None:
         """After ``take``: where every ``.grad`` was None (``current``) and the buffer is at its home,
-        ``accumulate``'s write of a whole shard as a (key, body) a graph may replay
-        (``HomeRows.fresh_write``); ``accumulate`` of no pieces then only sets ``.grad``. Else None."""
+        ``accumulate``'s write as a (key, ``body(values, start=0)``) a graph may replay, of the whole
+        shard or of each piece of a reduce in pieces (``HomeRows.fresh_write``); ``accumulate`` of no
+        pieces then only sets ``.grad``. Else None."""
         fresh = self._at_home and all(map(operator.is_, current, repeat(None)))
         return self._home_rows.fresh_write(self.home, scale) if fresh else None
 
@@ -272,22 +279,23 @@ class ShardedGrads:
                 else:
                     self.flat.copy_(values)
 
-    def reattach(self) -> None:
-        """After ``Module._apply`` swapped the masters' ``.grad`` tensors: values back into the
-        buffer, and each ``.grad`` a view of it again (see ``ShardedParam.reattach``)."""
-        if not self.live:
-            return
-        for param, view in zip(self.params, self.local_views):
-            grad = param.master.grad
-            found = None if grad is None else local_tensor(grad)
-            if found is None or found.data_ptr() == view.data_ptr() or not view.numel():
-                continue
-            with torch.no_grad():
-                view.copy_(found)
-            if grad is not found:
-                grad._local_tensor = view
-            else:
-                grad.data = view
+
+def reattach_grads(grads: ShardedGrads) -> None:
+    """After ``Module._apply`` swapped the masters' ``.grad`` tensors: values back into the
+    buffer, and each ``.grad`` a view of it again (see ``ShardedParam.reattach``)."""
+    if not grads.live:
+        return
+    for param, view in zip(grads.params, grads.local_views):
+        grad = param.master.grad
+        found = None if grad is None else local_tensor(grad)
+        if found is None or found.data_ptr() == view.data_ptr() or not view.numel():
+            continue
+        with torch.no_grad():
+            view.copy_(found)
+        if grad is not found:
+            grad._local_tensor = view
+        else:
+            grad.data = view
 
 
 def _add_rows(layout: FlatLayout, grad: torch.Tensor, i: int, start: int, values: torch.Tensor, scale: float) -> None:
@@ -335,3 +343,4 @@ def _like_master(param: ShardedParam, local: torch.Tensor) -> torch.Tensor:
     if isinstance(master, DTensor):
         return DTensor(local, master._spec, requires_grad=False)
     return param.wrap(local)
+

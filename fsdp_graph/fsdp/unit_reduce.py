@@ -91,22 +91,30 @@ class UnitReduce:
         return [(0, reduced)]
 
     def in_pieces(self, pieces: list[ReducePiece], sources: list[torch.Tensor], reduce_in: torch.Tensor,
-                  graphs: CollectiveGraphs | None) -> Iterator[tuple[int, torch.Tensor]]:
+                  graphs: CollectiveGraphs | None, write: tuple | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """Each piece copied into the shared staging, reduce-scattered in place, and handed on
         (``ShardedGrads.accumulate`` reads it before the next piece overwrites the staging).
         ``graphs``: the unit's collective graphs, which replay each piece's reduce-scatter (it reads
         and writes only the staging, so its key is the staging and the piece's size; the copy-in
-        reads autograd's own tensors and stays eager, as does the write)."""
+        reads autograd's own tensors and stays eager). ``write``: as for ``whole``, the write into
+        fixed sharded gradients (``ShardedGrads.fresh_write``), which then joins each piece's graph
+        (keyed by the piece's start too), and nothing is handed on."""
         world, rank = self.layout.world_size, self.layout.rank
+        collective = self.group is not None or self.replicate_group is not None
         for piece in pieces:
             by_rank = reduce_in[: world * piece.numel].view(world, piece.numel)
             copy_piece_in(self.layout, piece, sources, by_rank)
-            if self.group is not None or self.replicate_group is not None:
-                reduce_scatter = partial(self._reduce_scatter, by_rank.view(-1), by_rank[rank])
-                if graphs is None:
-                    reduce_scatter()
-                else:
-                    graphs.run("reduce_scatter_piece", (reduce_in.data_ptr(), piece.numel), reduce_scatter)
+            reduce_scatter = partial(self._reduce_scatter, by_rank.view(-1), by_rank[rank]) if collective else None
+            key = (reduce_in.data_ptr(), piece.numel)
+            if graphs is not None and write is not None:
+                written_key, write_shard = write
+                graphs.run("reduce_scatter_and_write_piece", (*key, piece.start, *written_key),
+                           partial(_reduce_and_write, reduce_scatter, write_shard, by_rank[rank], piece.start))
+                continue
+            if reduce_scatter is not None and graphs is None:
+                reduce_scatter()
+            elif reduce_scatter is not None:
+                graphs.run("reduce_scatter_piece", key, reduce_scatter)
             yield piece.start, by_rank[rank]
 
     def _copy_in(self, sources: list[torch.Tensor], by_rank: torch.Tensor, target: GradBuffer) -> None:
@@ -129,3 +137,10 @@ class UnitReduce:
         the input (the in-place form, which saves a shard-sized buffer)."""
         by_rank = self.layout.by_rank(reduce_in)
         return by_rank, reduce_in[: self.layout.gathered_numel], by_rank[self.layout.rank]
+
+
+def _reduce_and_write(reduce_scatter, write_shard, reduced: torch.Tensor, start: int) -> None:
+    """A piece's reduce-scatter (None: one process, the staging holds the sum) and its write."""
+    if reduce_scatter is not None:
+        reduce_scatter()
+    write_shard(reduced, start)

@@ -42,7 +42,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from ..fsdp.capture_interface import master_owner, pin_addresses
 from .activation_offload import OFFLOAD_MARK, HostPlan
 from .chained_buffers import alias_if_fits, chained_sources
-from .gradient_homes import home_gradients
+from .gradient_homes import home_gradients, roots_homed_after
 from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .host_sync import no_host_sync
 from .replay_stream import check_target, recording_joins, replay_target
@@ -519,7 +519,7 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
         try:
             passes, backwards = capture_pass(
                 calls, links, forward_only, pool, stream,
-                after_backward=None if homed is None else lambda i: home_gradients(homed.get(i, []), group.homes,
+                after_backward=None if homed is None else lambda i: home_gradients(homed.get(i, []), group, i,
                                                                                    pool, stream))
             for call, fwd, target in zip(calls, passes, targets):  # (refused before anything is pinned or installed)
                 check_target(target, fwd.joins, f"graphed {call.name}", stream.device)
@@ -547,16 +547,22 @@ def _homing(calls: list[CaptureTarget]) -> dict[int, list]:
     (``gradient_homes.py``): that of the first module in call order that reads its parameters, the last
     of them captured. The unit's reduce follows that module's backward, and the modules called before
     it replay their backwards later, from memory captured later, which the home then holds. (A module
-    without the unit's parameters could be called before all of them: it does not count.)"""
+    without the unit's parameters could be called before all of them: it does not count.) A root
+    that reduces in pieces between the graphs: after that of the first module of its model
+    (``roots_homed_after``)."""
     first: dict[int, tuple] = {}
+    units_per_call: list[list] = []
     for i, call in enumerate(calls):
         owners = {id(u): u for u in map(master_owner, call.parameters()) if u is not None}
+        units_per_call.append(list(owners.values()))
         if len(owners) == 1:
             unit = next(iter(owners.values()))
             first.setdefault(id(unit), (i, unit))
     homed: dict[int, list] = {}
     for i, unit in first.values():
         homed.setdefault(i, []).append(unit)
+    for i, roots in roots_homed_after(units_per_call).items():
+        homed.setdefault(i, []).extend(roots)
     return homed
 
 

@@ -85,15 +85,23 @@ class CaptureGroup:
         self.prefetched_for: GraphedCallable | None = None
         self.homes = GradHomes()  # units' sharded gradients homed in the pool (gradient_homes.py)
 
+    def pending_from(self, index: int):
+        """The first member from ``index`` on (in capture order) whose forward replayed and whose
+        backward has not yet: its saved activations are still to be read. None if there is none."""
+        for member in self.members[index:]:
+            if member.backward_pending():
+                return member
+        return None
+
     def check_backward_order(self, runner: GraphedCallable) -> None:
-        for later in self.members[runner.index + 1 :]:
-            if later.backward_pending():
-                raise RuntimeError(
-                    f"graphed {runner.name}: its backward runs before the backward of {later.name}, which was "
-                    "captured after it into the same memory pool and whose saved activations it may overwrite. "
-                    "Capture modules in the order their forwards run (pass them to graph_modules in "
-                    "execution order), or capture them in separate calls."
-                )
+        later = self.pending_from(runner.index + 1)
+        if later is not None:
+            raise RuntimeError(
+                f"graphed {runner.name}: its backward runs before the backward of {later.name}, which was "
+                "captured after it into the same memory pool and whose saved activations it may overwrite. "
+                "Capture modules in the order their forwards run (pass them to graph_modules in "
+                "execution order), or capture them in separate calls."
+            )
 
 
 class GraphedCallable:

@@ -19,7 +19,9 @@ For every module, in this order:
 5. With ``collective_graphs`` (on unless a call chose False), the enclosing units' unshard and reduce bodies are
    replayed as small graphs on their side streams too (``fsdp/collective_graphs.py``): the hooks
    between the graphed layers then cost one replay each instead of four to six launches. So do
-   the reduce-scatters of a root that reduces in pieces (``replayable_roots``).
+   the reduce-scatters of a root that reduces in pieces (``replayable_roots``), each with its write
+   into the root's sharded gradients, homed in the graphs' pool after the backward capture of its
+   model's first graphed module.
 """
 
 from __future__ import annotations

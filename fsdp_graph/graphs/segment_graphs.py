@@ -27,7 +27,8 @@ For every segment (``segment_size`` consecutive modules of ``modules``, in execu
    its place in the segment (``graphed_segment.py``), and nothing outside a segment prefetches
    its units any more. The root's steps stay eager between the segments, but a root that reduces
    in pieces replays each piece's reduce-scatter as a collective graph (``replayable_roots``;
-   ``collective_graphs=False`` keeps them eager).
+   ``collective_graphs=False`` keeps them eager), with its write into the root's sharded gradients,
+   homed in the segments' pool after the backward capture of its first segment.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from .activation_offload import refuse_offloaded
 from .capture import argument_names, require_cuda, static_copy
 from .chained_buffers import Links, alias_if_fits
 from .frozen_arguments import same
-from .gradient_homes import home_gradients
+from .gradient_homes import home_gradients, roots_homed_after
 from .graphed_callable import CaptureGroup, GraphedCallable, autocast_state, describe_signature
 from .graphed_segment import GraphedSegment
 from .host_sync import no_host_sync
@@ -457,13 +458,15 @@ def _warm_up_and_capture(segments: list[GraphedSegment], chained: list[bool], un
                 stream, pool)
             captured.append(outputs)
             segment.claims_forward = _claims(segment.units)
-        for segment, outputs in zip(reversed(segments), reversed(captured)):
+        roots = roots_homed_after([segment.units for segment in segments])  # (a root that reduces in pieces)
+        for i, segment, outputs in zip(reversed(range(len(segments))), reversed(segments), reversed(captured)):
             _chain_gradient(segment, outputs[-1])
             segment.bwd_graph, segment.static_grad_inputs = capture_whole(
                 f"graph_segments: backward of segment {segment.name}", lambda s=segment, o=outputs: _run_backward(s, o),
                 contexts, stream, pool)
             if own_pool:  # (its activations freed: the units' gradients from that memory, gradient_homes.py)
-                home_gradients(segment.units, segment.group.homes, pool, stream)
+                assert segment.group.members[i] is segment  # (the index a home's guard reads from)
+                home_gradients(segment.units + roots.get(i, []), segment.group, i, pool, stream)
             segment.static_outputs = [o.detach() for o in outputs]
             segment.claims_backward = _claims(list(reversed(segment.units)))
         del captured
