@@ -17,9 +17,11 @@ and ``.grad`` is pointed back at it after each replay.
 
 Under per-layer and segment graphs the buffer may have a home in the graphs' pool
 (``grad_homes.py``): memory the pool's activations use only between the next forward and this
-unit's backward, one piece per parameter. While every ``.grad`` is None the reduce writes there
-(the flat buffer is then an empty stand-in and the views are the pieces'); values still held when
-a graph replays a forward move out first into a flat buffer of their own (``leave_home_if_held``).
+unit's backward, one piece per parameter (a root that reduces in pieces between the graphs: until
+the end of its backward). While every ``.grad`` is None the reduce writes there (the flat buffer
+is then an empty stand-in and the views are the pieces'), except while a graph that may share the
+home's memory awaits its backward (``GradHomes.add``'s ``busy``); values still held when a graph
+replays a forward move out first into a flat buffer of their own (``leave_home_if_held``).
 
 Each ``.grad`` is the master's kind: a ``Shard(0)`` DTensor made with the master's spec, or the
 plain local view without a mesh.
@@ -343,4 +345,3 @@ def _like_master(param: ShardedParam, local: torch.Tensor) -> torch.Tensor:
     if isinstance(master, DTensor):
         return DTensor(local, master._spec, requires_grad=False)
     return param.wrap(local)
-
