@@ -58,6 +58,9 @@ class EagerCollectiveBodies:
     def run(self, name, key, body) -> None:
         body()
 
+    def spawn(self, name):
+        return type(self)()  # (the root's use exchange: bodies, and records, of its own)
+
     def forget(self) -> None:
         pass
 

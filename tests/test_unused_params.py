@@ -14,9 +14,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_graph
+from fsdp_graph.fsdp.registry import root_contexts, units_in
 
 from dist_harness import run_ranks
-from models import on_fixed_buffers
+from models import RecordingCollectiveBodies, not_capturing, on_fixed_buffers
 
 # expert1's use per step and rank (two ranks): both, rank 0 only, none, rank 1 only.
 pytestmark = pytest.mark.cpu_only  # CPU and gloo on any machine: CI runs it; the GPU suite need not
@@ -354,3 +355,66 @@ def _captured_steps(info) -> None:
 
 def test_a_captured_step_reuses_the_eager_decision_and_refuses_changed_use():
     run_ranks(_captured_steps, 2, backend="gloo")
+
+
+class _Experts(nn.Module):
+    """Every parameter used on every rank but expert1's, which each rank runs as the schedule says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.expert0 = nn.Linear(6, 6)
+        self.expert1 = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, use_expert1: bool) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.expert0(h) + self.expert1(h) if use_expert1 else self.expert0(h)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 6)
+        self.block = _Experts()
+
+    def forward(self, x: torch.Tensor, use_expert1: bool) -> torch.Tensor:
+        return self.block(self.first(x), use_expert1)
+
+
+def _exchange_replayed(info) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    fsdp_graph.fully_shard(model.block)
+    fsdp_graph.fully_shard(model)
+    not_capturing()
+    bodies = [RecordingCollectiveBodies() for _ in units_in(model)]
+    for unit, recording in zip(units_in(model), bodies):
+        unit.replay_collectives(recording)
+    optimizers = _adamw(model, ref)
+    world = info.world_size
+    for step, use in enumerate(SCHEDULE + SCHEDULE):
+        model(_batch(step, info.rank), use[info.rank]).pow(2).mean().backward()
+        sum(ref(_batch(step, r), use[r]).pow(2).mean() for r in range(world)).div(world).backward()
+        with_grad = _check_grads(model, ref, f"rank {info.rank} step {step}")
+        assert ("block.expert1.weight" in with_grad) == any(use)
+        exchange = root_contexts(model)[0]._exchange[1]  # (the root's, spawned from a replaying unit's)
+        assert not any(name.startswith("use_exchange") for recording in bodies for name, _ in recording.runs)
+        runs, exchange.runs = exchange.runs, []
+        # One exchange per step, through the collective bodies; read back only where this rank has candidates
+        # (expert1 unused here); at one buffer, so one key per body from step to step.
+        expected = "use_exchange_all_used" if use[info.rank] else "use_exchange"
+        assert [name for name, _ in runs] == [expected], (step, runs)
+        if step == 0:
+            key = runs[0][1]
+        assert runs[0][1] == key, (step, runs, key)
+        _step(optimizers)
+    _check_weights(model, ref)
+
+
+def test_the_exchange_replays_as_a_collective_body_and_decides_as_eagerly():
+    """Where the units' reduces replay as collective graphs, the end-of-backward exchange of which
+    parameters got a gradient replays too, at one persistent buffer: filled with ones inside the
+    body where this rank used every parameter, its flags copied in and the sums read back where
+    not. The decisions (and so the gradients and weights) equal the single-process reference's."""
+    run_ranks(_exchange_replayed, 2, backend="gloo")

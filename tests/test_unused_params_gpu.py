@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import fsdp_graph
 from fsdp_graph import GraphConfig
+from fsdp_graph.fsdp.registry import root_contexts
 
 from dist_harness import run_ranks
 from examples.gpt import GPT
@@ -58,6 +59,11 @@ def _train(info, strategy: str, optimizer_in_step: bool):
     after = _poolers(model)
     for name, value in initial.items():
         assert torch.equal(after[name], value), f"{strategy}: {name} changed although it never got a gradient"
+    if strategy == "layer" and info.world_size > 1:  # (one rank exchanges nothing)
+        # The exchange replayed with the steps: every rank has candidates (the poolers), so each copies
+        # its flags in and reads the sums back, from the second step of training on.
+        replays = root_contexts(model)[0]._exchange[1].replays
+        assert replays.get("use_exchange", 0) >= STEPS - 2 and "use_exchange_all_used" not in replays, replays
     return torch.stack(losses), fsdp_graph.full_state_dict(model)
 
 

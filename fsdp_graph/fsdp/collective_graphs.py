@@ -137,6 +137,10 @@ class CollectiveGraphs:
                 gc.enable()
         return graph
 
+    def spawn(self, name: str) -> CollectiveGraphs:
+        """Graphs of another body's, in the same pool (the root's use exchange, ``RootContext``)."""
+        return CollectiveGraphs(self.pool, name)
+
     def forget(self) -> None:
         """Drop every graph (the unit's buffers were planned again)."""
         self._graphs.clear()

@@ -47,6 +47,7 @@ class RootContext:
         self._end_of_backward_queued = False
         self._failed_step: str | None = None  # what raised in the last step (note_failed_step)
         self._failed_steps = 0
+        self._exchange: tuple | None = None  # (a unit's collective graphs, the use exchange's, in their pool)
 
     def lazy_init(self) -> None:
         """Plan placements and bind every unit (once; idempotent)."""
@@ -150,8 +151,20 @@ class RootContext:
         self.order.backward_done()
         self.streams.wait_for_all()
         self._release_read_gradients()
-        settle_unused([unit.grads for unit in self.units])
+        settle_unused([unit.grads for unit in self.units], self.streams, self._exchange_graphs())
         self._refuse_stray_gradients("found at the end of the backward")
+
+    def _exchange_graphs(self):
+        """Where the units' steps replay as collective graphs (the layer strategies), the end-of-backward
+        exchange of which parameters got a gradient replays too (``unused_params.py``): graphs of its
+        own, in the pool of the first replaying unit's."""
+        replaying = next((u.grads.collective_graphs for u in self.units if u.grads.collective_graphs is not None),
+                         None)
+        if replaying is None:
+            return None
+        if self._exchange is None or self._exchange[0] is not replaying:
+            self._exchange = (replaying, replaying.spawn(f"{self.root.name} (use exchange)"))
+        return self._exchange[1]
 
     def _refuse_stray_gradients(self, when: str) -> None:
         """Every unit is idle: gradients on its unsharded parameters were left there outside its
