@@ -120,12 +120,11 @@ def _train(info, selection: str | None, oversized_block: bool, graph_at_step: in
         assert (root.grads.sharded.home is not None) == bool(pieces), "a root reducing in pieces has a home"
         assert (pieces > 0) == (variant == "wide_root"), f"the root reduces in {pieces} pieces"
         # The end-of-backward exchange of which parameters got a gradient replays where the steps do:
-        # every parameter used, so each rank fills the flags inside the graph and reads nothing back.
+        # every parameter used, so each rank fills the flags with ones first and reads nothing back.
         exchange = root_contexts(model)[0]._exchange
         if collective_graphs:
-            replays = exchange[1].replays
-            assert replays.get("use_exchange_all_used", 0) >= STEPS - graph_at_step - 2 and \
-                "use_exchange" not in replays, replays
+            replays = exchange[1].graphs.replays
+            assert replays.get("use_exchange", 0) >= STEPS - graph_at_step - 2, replays
         else:
             assert exchange is None, "the exchange replayed although no unit's steps do"
     return torch.stack(losses), fsdp_graph.full_state_dict(model)

@@ -14,7 +14,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_graph
+from fsdp_graph.fsdp.collective_graphs import CollectiveGraphCaptureError
 from fsdp_graph.fsdp.registry import root_contexts, units_in
+from fsdp_graph.fsdp.unused_params import ExchangeGraphs
 
 from dist_harness import run_ranks
 from models import RecordingCollectiveBodies, not_capturing, on_fixed_buffers
@@ -377,8 +379,8 @@ class _Net(nn.Module):
         self.first = nn.Linear(6, 6)
         self.block = _Experts()
 
-    def forward(self, x: torch.Tensor, use_expert1: bool) -> torch.Tensor:
-        return self.block(self.first(x), use_expert1)
+    def forward(self, x: torch.Tensor, use_expert1: bool, skip_block: bool = False) -> torch.Tensor:
+        return self.first(x) if skip_block else self.block(self.first(x), use_expert1)
 
 
 def _exchange_replayed(info) -> None:
@@ -393,28 +395,71 @@ def _exchange_replayed(info) -> None:
         unit.replay_collectives(recording)
     optimizers = _adamw(model, ref)
     world = info.world_size
-    for step, use in enumerate(SCHEDULE + SCHEDULE):
-        model(_batch(step, info.rank), use[info.rank]).pow(2).mean().backward()
-        sum(ref(_batch(step, r), use[r]).pow(2).mean() for r in range(world)).div(world).backward()
+    keys = set()
+    for step, use in enumerate(SCHEDULE + SCHEDULE + [(True, True)]):
+        skip = step == 4  # (the block's unit not reached: only the root reduces, and exchanges)
+        model(_batch(step, info.rank), use[info.rank], skip).pow(2).mean().backward()
+        sum(ref(_batch(step, r), use[r], skip).pow(2).mean() for r in range(world)).div(world).backward()
         with_grad = _check_grads(model, ref, f"rank {info.rank} step {step}")
-        assert ("block.expert1.weight" in with_grad) == any(use)
-        exchange = root_contexts(model)[0]._exchange[1]  # (the root's, spawned from a replaying unit's)
+        assert ("block.expert1.weight" in with_grad) == (any(use) and not skip)
+        exchange = root_contexts(model)[0]._exchange[1].graphs  # (the root's, spawned from a replaying unit's)
         assert not any(name.startswith("use_exchange") for recording in bodies for name, _ in recording.runs)
         runs, exchange.runs = exchange.runs, []
-        # One exchange per step, through the collective bodies; read back only where this rank has candidates
-        # (expert1 unused here); at one buffer, so one key per body from step to step.
-        expected = "use_exchange_all_used" if use[info.rank] else "use_exchange"
-        assert [name for name, _ in runs] == [expected], (step, runs)
-        if step == 0:
-            key = runs[0][1]
-        assert runs[0][1] == key, (step, runs, key)
+        # One exchange per step, one body whether this rank has candidates (expert1 unused here) or not,
+        # at the group's one buffer: its address the same whichever units reduced (the size differs).
+        assert [name for name, _ in runs] == ["use_exchange"], (step, runs)
+        keys.add(runs[0][1])
         _step(optimizers)
+    assert len({key[0] for key in keys}) == 1 and len(keys) == 2, keys
     _check_weights(model, ref)
 
 
 def test_the_exchange_replays_as_a_collective_body_and_decides_as_eagerly():
     """Where the units' reduces replay as collective graphs, the end-of-backward exchange of which
-    parameters got a gradient replays too, at one persistent buffer: filled with ones inside the
-    body where this rank used every parameter, its flags copied in and the sums read back where
-    not. The decisions (and so the gradients and weights) equal the single-process reference's."""
+    parameters got a gradient replays too: one body (the all-reduce) at the group's persistent
+    buffer, filled with ones before it where this rank used every parameter, its flags copied in
+    and the sums read back where not. The decisions (and so the gradients and weights) equal the
+    single-process reference's, also in a step that does not reach the block."""
     run_ranks(_exchange_replayed, 2, backend="gloo")
+
+
+class _CaptureFailsOnce(RecordingCollectiveBodies):
+    """As ``CollectiveGraphs.run`` does when a capture fails: raises once without running the body."""
+
+    def run(self, name, key, body) -> None:
+        if not self.runs:
+            self.runs.append((name, key))
+            raise CollectiveGraphCaptureError("capturing its use_exchange as a CUDA graph failed: (test)")
+        super().run(name, key, body)
+
+
+def _exchange_capture_fails(info) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    fsdp_graph.fully_shard(model.block)
+    fsdp_graph.fully_shard(model)
+    on_fixed_buffers(model)
+    ctx = root_contexts(model)[0]
+    optimizers = _adamw(model, ref)
+    world = info.world_size
+    for step, use in enumerate(SCHEDULE):
+        if step == 1 and info.rank == 0:  # (on one rank only: its peer's all-reduce must still pair)
+            failing = _CaptureFailsOnce()
+            ctx._exchange = (ctx._exchange[0], ExchangeGraphs(failing))
+            with pytest.warns(UserWarning, match="ran eagerly instead"):
+                model(_batch(step, info.rank), use[info.rank]).pow(2).mean().backward()
+            assert len(failing.runs) == 1
+        else:
+            model(_batch(step, info.rank), use[info.rank]).pow(2).mean().backward()
+        sum(ref(_batch(step, r), use[r]).pow(2).mean() for r in range(world)).div(world).backward()
+        _check_grads(model, ref, f"rank {info.rank} step {step}")
+        _step(optimizers)
+    _check_weights(model, ref)
+
+
+def test_an_exchange_whose_capture_fails_on_one_rank_runs_eagerly_there_and_decides_as_eagerly():
+    """A failed capture of the exchange's graph skips its all-reduce on that rank (``CollectiveGraphs.run``
+    raises without running the body): run eagerly instead, with a warning, it still pairs with its
+    peers' (their replay would otherwise wait for ever, untimed by the watchdog)."""
+    run_ranks(_exchange_capture_fails, 2, backend="gloo")

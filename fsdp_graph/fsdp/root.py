@@ -25,7 +25,7 @@ from .order import ExecutionOrder
 from .stray_gradients import refuse_stray_gradients
 from .training_state import TrainingState
 from .unit import FSDPUnit
-from .unused_params import settle_unused
+from .unused_params import ExchangeGraphs, settle_unused
 
 # How long a rank whose step raised waits at its next forward for the other ranks to report the
 # same failure. Ranks that failed the same step get there within the time their error handling
@@ -47,7 +47,7 @@ class RootContext:
         self._end_of_backward_queued = False
         self._failed_step: str | None = None  # what raised in the last step (note_failed_step)
         self._failed_steps = 0
-        self._exchange: tuple | None = None  # (a unit's collective graphs, the use exchange's, in their pool)
+        self._exchange: tuple | None = None  # (a unit's collective graphs, the use exchange's ExchangeGraphs)
 
     def lazy_init(self) -> None:
         """Plan placements and bind every unit (once; idempotent)."""
@@ -163,7 +163,7 @@ class RootContext:
         if replaying is None:
             return None
         if self._exchange is None or self._exchange[0] is not replaying:
-            self._exchange = (replaying, replaying.spawn(f"{self.root.name} (use exchange)"))
+            self._exchange = (replaying, ExchangeGraphs(replaying.spawn(f"{self.root.name} (use exchange)")))
         return self._exchange[1]
 
     def _refuse_stray_gradients(self, when: str) -> None:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from .collective_graphs import can_replay
+from .collective_graphs import CollectiveGraphCaptureError, can_replay
 from .collectives import all_reduce, collective_failed
 from .sharded_grads import run_post_accumulate_hooks
 
@@ -32,7 +33,6 @@ class GradientUse:
         self.pending: list[int] | None = None  # a reduce ran: its candidates (None: no reduce to settle)
         self.unused: frozenset[int] = frozenset()  # the last decision: no rank gave these a gradient
         self.decided_from: tuple[int, ...] | None = None  # the candidates that decision was made for
-        self.flags: torch.Tensor | None = None  # the exchange's persistent buffer where it replays (per group)
 
     def note(self, indices: Iterable[int]) -> None:
         self.used.update(indices)
@@ -57,11 +57,29 @@ class GradientUse:
         self.used = set(used)
 
 
-def settle_unused(units: Sequence, streams=None, graphs=None) -> None:
+class ExchangeGraphs:
+    """The root's use exchange replayed (``_exchange_replayed``): collective graphs spawned in a
+    replaying unit's pool, and one persistent int32 buffer per data-parallel group, sized for every
+    parameter of the root's units in that group, so that its address (the graph's key) is the same
+    whichever of them reduced, on every step and every rank's schedule alike."""
+
+    def __init__(self, graphs) -> None:
+        self.graphs = graphs
+        self._flags: dict[tuple, torch.Tensor] = {}
+
+    def flags(self, key: tuple, capacity: int, device: torch.device, streams) -> torch.Tensor:
+        flags = self._flags.get(key)
+        if flags is None or flags.numel() < capacity:
+            flags = self._flags[key] = torch.ones(capacity, dtype=torch.int32, device=device)
+            streams.shared_with_side_streams(flags)  # (a graph on the reduce stream reads and writes it)
+        return flags
+
+
+def settle_unused(units: Sequence, streams=None, exchange: ExchangeGraphs | None = None) -> None:
     """At the end of a backward: decide, for every unit (``UnitGradients``) whose reduce ran, which
     of its candidates no rank gave a gradient, and apply it (``_settle``). One int32
     all-reduce per data-parallel group; only a rank with candidates reads the sums back. Inside a
-    CUDA graph capture (a whole-step graph) the last eager decision is reused. With ``graphs``
+    CUDA graph capture (a whole-step graph) the last eager decision is reused. With ``exchange``
     (the root's, where its units' steps replay as collective graphs: the layer strategies) the
     all-reduce replays too, on the reduce stream of ``streams`` (``_exchange_replayed``)."""
     pending = [u for u in units if u.use.pending is not None]
@@ -70,7 +88,7 @@ def settle_unused(units: Sequence, streams=None, graphs=None) -> None:
     capturing = _capturing(pending[0].device)
     by_group: dict[tuple, list] = {}
     for unit in pending:
-        by_group.setdefault((_several(unit.group), _several(unit.replicate_group)), []).append(unit)
+        by_group.setdefault(_groups(unit), []).append(unit)
     for (group, replicate), members in by_group.items():
         if group is None and replicate is None:  # one process: what it did not use, nobody did
             for unit in members:
@@ -79,7 +97,7 @@ def settle_unused(units: Sequence, streams=None, graphs=None) -> None:
             for unit in members:
                 _reuse_decision(unit)
         else:
-            _exchange(members, group, replicate, streams, graphs)
+            _exchange(members, group, replicate, _replayer(units, members, group, replicate, streams, exchange))
 
 
 def unused_on_every_rank(units: Sequence) -> list[set[int]]:
@@ -89,7 +107,7 @@ def unused_on_every_rank(units: Sequence) -> list[set[int]]:
     result = [set(u.use.pending or ()) for u in units]
     by_group: dict[tuple, list[int]] = {}
     for index, unit in enumerate(units):
-        by_group.setdefault((_several(unit.group), _several(unit.replicate_group)), []).append(index)
+        by_group.setdefault(_groups(unit), []).append(index)
     for (group, replicate), members in by_group.items():
         if group is None and replicate is None:
             continue
@@ -128,11 +146,27 @@ def _settle(unit, unused: set[int]) -> None:
     unit.use.pending, unit.use.unused, unit.use.decided_from = None, frozenset(unused), tuple(pending)
 
 
-def _exchange(units: list, group, replicate, streams=None, graphs=None) -> None:
+def _replayer(units: Sequence, members: list, group, replicate, streams, exchange: ExchangeGraphs | None):
+    """``_exchange_replayed`` for ``members`` at their group's buffer (sized for all of ``units`` in
+    that group), where the exchange replays; else None."""
+    if exchange is None or streams is None or not can_replay(exchange.graphs):
+        return None
+    capacity = sum(len(u.params) for u in units if _groups(u) == (group, replicate))
+    buffer = exchange.flags((id(group), id(replicate)), capacity, members[0].device, streams)
+    return partial(_exchange_replayed, members, group=group, replicate=replicate, streams=streams,
+                   exchange=exchange, buffer=buffer)
+
+
+def _groups(unit) -> tuple:
+    return _several(unit.group), _several(unit.replicate_group)
+
+
+def _exchange(units: list, group, replicate, replayed=None) -> None:
+    """``replayed(candidates)``: the exchange as a graph (``_exchange_replayed``); None: eagerly."""
     candidates = [set(u.use.pending) for u in units]
     device = units[0].device
-    if streams is not None and can_replay(graphs):
-        counts = _exchange_replayed(units, candidates, group, replicate, streams, graphs)
+    if replayed is not None:
+        counts = replayed(candidates)
     else:
         with _engine_sync(device):  # (a rank with candidates copies its flags in and reads the sums back)
             if any(candidates):
@@ -147,30 +181,34 @@ def _exchange(units: list, group, replicate, streams=None, graphs=None) -> None:
         offset += len(unit.trainable)
 
 
-def _exchange_replayed(units: list, candidates: list[set], group, replicate, streams, graphs) -> list | None:
-    """The exchange as a collective graph (the root's ``graphs``), at a persistent buffer, on the reduce
-    stream (after the step's last reduce-scatter): the eager all-reduce's Python was 200-450 µs of
-    host time at the end of every backward on 2 × H200. Where this rank has no candidates (every
-    parameter used, the steady state) the graph fills the buffer with ones as well and nothing is
-    read back; else the rank's flags are copied in first and the sums read back. The graph of one
-    rank and the eager body of another pair as any collective graph does (same kernels)."""
+def _exchange_replayed(units: list, candidates: list[set], *, group, replicate, streams, exchange: ExchangeGraphs,
+                       buffer: torch.Tensor) -> list | None:
+    """The exchange as one collective graph, the all-reduce alone, at the group's persistent buffer,
+    on the reduce stream (after the step's last reduce-scatter): the eager all-reduce's Python was
+    200-450 µs of host time at the end of every backward on 2 × H200. Before the replay, a rank
+    without candidates (every parameter used, the steady state) fills the buffer with ones and reads
+    nothing back; a rank with candidates copies its flags in and reads the sums back (waiting on the
+    host for a replayed collective, which NCCL's watchdog does not time). Every rank runs, captures
+    and replays the same body under one key at the same step. A capture that fails on this rank
+    runs the all-reduce eagerly instead (its peers' collective still pairs with it), with a warning."""
     size = sum(len(u.trainable) for u in units)
-    use = units[0].use
-    if use.flags is None or use.flags.numel() != size:
-        use.flags = torch.ones(size, dtype=torch.int32, device=units[0].device)
-        streams.shared_with_side_streams(use.flags)
-    flags, mine = use.flags, any(candidates)
+    flags, mine = buffer[:size], any(candidates)
 
     def body() -> None:
-        if not mine:
-            flags.fill_(1)
         _all_reduce(flags, group, replicate, units[0].name)
 
     with streams.enter(streams.reduce):
         if mine:
             with _engine_sync(flags.device):
                 flags.copy_(torch.tensor(_flags(units, candidates), dtype=torch.int32))
-        graphs.run("use_exchange" if mine else "use_exchange_all_used", (flags.data_ptr(), size), body)
+        else:
+            flags.fill_(1)
+        try:
+            exchange.graphs.run("use_exchange", (flags.data_ptr(), size, id(group), id(replicate)), body)
+        except CollectiveGraphCaptureError as err:
+            warnings.warn(f"{err} (The exchange of which parameters got a gradient ran eagerly instead.)",
+                          stacklevel=2)
+            body()
     if not mine:
         return None
     streams.wait(streams.record(streams.reduce))
