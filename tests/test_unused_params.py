@@ -383,12 +383,18 @@ class _Net(nn.Module):
         return self.first(x) if skip_block else self.block(self.first(x), use_expert1)
 
 
-def _exchange_replayed(info) -> None:
+def _sharded_net() -> tuple[_Net, _Net]:
+    """(the net sharded, block and root, and its single-process reference)."""
     torch.manual_seed(0)
     model = _Net()
     ref = copy.deepcopy(model)
     fsdp_graph.fully_shard(model.block)
     fsdp_graph.fully_shard(model)
+    return model, ref
+
+
+def _exchange_replayed(info) -> None:
+    model, ref = _sharded_net()
     not_capturing()
     bodies = [RecordingCollectiveBodies() for _ in units_in(model)]
     for unit, recording in zip(units_in(model), bodies):
@@ -434,11 +440,7 @@ class _CaptureFailsOnce(RecordingCollectiveBodies):
 
 
 def _exchange_capture_fails(info) -> None:
-    torch.manual_seed(0)
-    model = _Net()
-    ref = copy.deepcopy(model)
-    fsdp_graph.fully_shard(model.block)
-    fsdp_graph.fully_shard(model)
+    model, ref = _sharded_net()
     on_fixed_buffers(model)
     ctx = root_contexts(model)[0]
     optimizers = _adamw(model, ref)
