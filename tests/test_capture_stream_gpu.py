@@ -82,3 +82,44 @@ def test_every_warm_up_and_capture_runs_on_the_one_capture_stream(what):
         for _ in range(2):
             step(*batch)
     assert seen - {torch.cuda.current_stream()} == {capture_stream()}, seen
+
+
+def _workspace_bytes_after(run) -> int:
+    """Bytes of the cuBLAS workspaces ``run()`` leaves: what releasing them all then frees (nothing
+    captured in ``run`` replays afterwards)."""
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    run()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch._C._cuda_clearCublasWorkspaces()
+    return before - torch.cuda.memory_allocated()
+
+
+def _layer_step_needs_no_more_workspaces_than_eager(info) -> None:
+    idx = torch.randint(0, CFG.vocab_size, (MICRO_BATCH, CFG.seq_len), device=info.device)
+    batch = (idx, (idx * 7 + 3) % CFG.vocab_size)
+
+    def train(config):
+        def run():
+            torch.manual_seed(0)
+            model = GPT(CFG).to(info.device)
+            for block in model.blocks:
+                fsdp_graph.fully_shard(block)
+            fsdp_graph.fully_shard(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+            step = fsdp_graph.make_train_step(lambda i, t: model(i, t)[1], model, opt, config=config,
+                                              example_batch=batch)
+            for _ in range(3):
+                step(*batch)
+        return run
+
+    eager = _workspace_bytes_after(train(GraphConfig()))
+    layers = _workspace_bytes_after(train(GraphConfig(strategy="layer", num_warmup_iters=1)))
+    assert 0 < layers <= eager, (
+        f"per-layer graphs' step left {layers} bytes of cuBLAS workspaces, the eager step {eager}: its eager "
+        "code made workspaces of another stream than the graphs'")
+
+
+def test_a_per_layer_step_needs_the_cublas_workspaces_of_one_stream_as_eager_does():
+    run_ranks(_layer_step_needs_no_more_workspaces_than_eager, 1)  # (a fresh process, nothing captured yet)
