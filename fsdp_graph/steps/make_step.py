@@ -18,11 +18,9 @@ import torch.nn as nn
 
 from ..fsdp.capture_interface import root_contexts
 from ..graphs.activation_offload import offload_activations
-from ..graphs.capture_stream import capture_stream
 from ..graphs.chained_buffers import SampleCalls
 from ..graphs.module_graphs import eval_mode, graph_modules, record_sample_args
 from ..graphs.segment_graphs import graph_segments
-from ..graphs.whole_graph import on_stream
 from .eval_step import EvalStep, GraphedForward
 from .graph_config import GraphConfig, check_capturable_optimizer, selected_modules, validate_graph_config
 from .optimizer_graph import graph_optimizer_step, refuse_ungraphable_step
@@ -81,11 +79,9 @@ def make_train_step(
     modules = selected_modules(model, config)
     micro = body.micro_batches(example)[0]
     _offload(body, model, config)  # (first: the sample forwards keep their activations too)
-    stream = capture_stream(body.units[0].device if body.units else None)
     try:
-        with on_stream(stream):  # (the example forward too: all of it on the stream the steps run on)
-            samples = _samples(model, modules, lambda: loss_fn(*micro))
-            _graph_layers(config, modules, samples)
+        samples = _samples(model, modules, lambda: loss_fn(*micro))
+        _graph_layers(config, modules, samples)
     except BaseException:
         if body.offload is not None and not body.offload.owned:  # (no graph recorded it: it goes with the step)
             body.offload.remove()
@@ -94,7 +90,6 @@ def make_train_step(
         body.optimizer_step = graph_optimizer_step(model, optimizer, max_grad_norm=max_grad_norm,
                                                    num_warmup_iters=config.num_warmup_iters,
                                                    replay_stream=config.replay_stream)
-    body.stream = stream  # (every step runs there: TrainStep.run)
     return body
 
 

@@ -72,8 +72,6 @@ class TrainStep:
         self.units = units_in(model)
         self.optimizer_step: Callable[[], object] | None = None  # clip + step as graphs (optimizer_graph=True)
         self.offload = None  # GraphConfig.offload_activations: the ActivationOffload handle
-        # Strategy "layer": the stream its graphs were captured on, where every step runs (``run``).
-        self.stream: torch.cuda.Stream | None = None
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         return self.run(batch)
@@ -93,19 +91,9 @@ class TrainStep:
 
     def run(self, batch: tuple) -> torch.Tensor:
         """One step on ``batch``; returns the (mean micro-batch) loss, detached. If it raises, the
-        next step first checks that every rank failed it too (``RootContext.note_failed_step``).
-
-        With graphed layers the step runs on their capture stream (``self.stream``), ordered after
-        and before the caller's: its eager code (the root, the loss, the optimizer) then shares the
-        graphs' cuBLAS workspaces (one per thread and stream, 32 MiB each on H100/H200) instead of
-        making two more on the caller's stream (``graphs/capture_stream.py``)."""
+        next step first checks that every rank failed it too (``RootContext.note_failed_step``)."""
         try:
-            if self.stream is None:
-                return self._run(batch)
-            with on_stream(self.stream):
-                loss = self._run(batch)
-            loss.record_stream(torch.cuda.current_stream(self.stream.device))
-            return loss
+            return self._run(batch)
         except BaseException as err:
             self.note_failure(err)
             raise
