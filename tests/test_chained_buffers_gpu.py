@@ -50,17 +50,9 @@ def _chained(runners) -> list[bool]:
             for before, after in zip(runners, runners[1:])]
 
 
-def _capture_stream_warmed(device) -> None:
-    """The first capture in a process pays cuBLAS's workspaces of the capture stream
-    (``graphs/capture_stream.py``): paid here, so that neither measured run is charged them."""
-    fsdp_graph.make_graphed_callables([torch.nn.Linear(8, 8, device=device)],
-                                      [(torch.randn(2, 8, device=device, requires_grad=True),)])
-
-
 def _chaining_saves_two_buffers_per_block_bitwise(info) -> None:
     torch.use_deterministic_algorithms(True)
     eager, _, _ = _train(info, None)
-    _capture_stream_warmed(info.device)
     chained, runners, chained_bytes = _train(info, GraphConfig(strategy="layer"))
     _compare("per-layer graphs, chained", chained, eager)
     assert _chained(runners) == [True] * (CFG.n_layers - 1)

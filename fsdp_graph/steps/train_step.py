@@ -40,7 +40,6 @@ import torch.nn as nn
 from ..fsdp.capture_interface import root_contexts, units_in
 from ..fsdp.clip_grad import clip_grad_norm_
 from ..graphs.activation_offload import add_host_plans, offload_passes
-from ..graphs.capture_stream import capture_stream
 from ..graphs.host_sync import no_host_sync
 from ..graphs.replay_stream import replay_target, replay_whole, whole_target
 from ..graphs.static_inputs import StaticInputs
@@ -164,7 +163,7 @@ class GraphedTrainStep:
         self.inputs = StaticInputs("make_train_step", tuple(example_batch), self.device)
         self.num_warmup_iters = num_warmup_iters
         self.contexts = root_contexts(body.model)
-        self.stream = capture_stream(self.device)
+        self.stream = torch.cuda.Stream(self.device)
         self.graph = None
         self.static_loss: torch.Tensor | None = None
         self.eager_steps = 0
