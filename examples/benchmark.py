@@ -64,7 +64,7 @@ sys.path.insert(1, os.path.dirname(_EXAMPLES_DIR))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hf_models import SIZES, build_hf  # noqa: E402
-from memory_breakdown import breakdown, graph_pool_bytes, graph_pool_ids  # noqa: E402
+from memory_breakdown import breakdown, graph_pool_bytes, graph_pool_ids, release_cublas_workspaces  # noqa: E402
 from mfu import mfu  # noqa: E402
 
 import fsdp_graph  # noqa: E402
@@ -460,6 +460,7 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
     batches = make_batches(bench, env, warmup + steps)
     baseline, earlier_pools, left = 0, set(), None
     if env.cuda:
+        release_cublas_workspaces()  # (this system is charged the workspaces it makes, not the first system)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()  # anything an earlier system left: not this system's

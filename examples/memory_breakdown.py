@@ -8,6 +8,9 @@ blocks alive then; each block outside the pools is put in one category:
 
 * by the tensor it backs at the end of the run (address match): the parameters (the sharded
   masters), their gradients, the optimizer state;
+* as a cuBLAS workspace: a block that ``release_cublas_workspaces`` freed at the end of the run
+  (cuBLAS keeps one per thread and stream for the process's life, allocated by the first matmul
+  there: otherwise counted as that matmul's activation, or as autograd's for the backward thread);
 * by the Python frames that allocated it: the graphs' static inputs and gradient buffers,
   fsdp_graph's persistent unsharded parameter and gradient buffers and its collective staging,
   FSDP2's unsharded parameters and collective buffers, the model's forward (activations), the
@@ -56,6 +59,7 @@ FRAME_RULES = (  # (substring of a frame's file, function name or None, category
     ("torch/distributed/fsdp/", None, "other FSDP2 allocations"),
 )
 FORWARD, BACKWARD = "activations and forward temporaries", "backward: gradients and temporaries (autograd)"
+WORKSPACES = "cuBLAS workspaces (one per thread and stream that ran a matmul; a capture stream's kept by its graphs)"
 
 
 def _storage_categories(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, str]:
@@ -226,17 +230,37 @@ def _pool_contents(timeline: _Timeline) -> dict:
             "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "sites": _top_sites(timeline.inside.values())}
 
 
+def release_cublas_workspaces() -> None:
+    """Free cuBLAS's workspaces (once no graph that captured with them replays again): each system
+    then allocates, and is charged, its own, instead of the first system paying for all."""
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+
+
+def _workspace_allocations(trace: list[dict]) -> set[int]:
+    """The ids of the alloc events of the blocks ``release_cublas_workspaces`` freed."""
+    last_alloc: dict[int, dict] = {}
+    found = set()
+    for event in trace:
+        if event["action"] == "alloc":
+            last_alloc[event["addr"]] = event
+        elif event["action"] == "free_requested" and event["addr"] in last_alloc and any(
+                frame["name"] == release_cublas_workspaces.__name__ for frame in event.get("frames", [])):
+            found.add(id(last_alloc.pop(event["addr"])))
+    return found
+
+
 def breakdown(run: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer | None]]) -> dict:
     """Run ``run()`` (build a system and train a few steps; returns its model and optimizer) with
     the allocator recording, and return, at the peak of (live outside the graph pools + the pools'
     size): {"peak_gib", "categories": {category: GiB}, "peak_site"}, and "pool": the pools at their
     fullest (what was alive in them, by kind and by allocation site) when there are any."""
-    torch.cuda.synchronize()
+    release_cublas_workspaces()  # (so the system's own are allocated, and seen, while recording)
     torch.cuda.empty_cache()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     try:
         model, optimizer = run()
-        torch.cuda.synchronize()
+        release_cublas_workspaces()  # (their frees name them in the trace; no empty_cache: the pools stay listed)
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -248,16 +272,19 @@ def categorized(trace: list[dict], pools: list[tuple[int, int]], by_storage: dic
     """``breakdown``'s result from a trace, the pools' segments and the storages' categories."""
     at, at_pool = _peaks(trace, pools)
     timeline = _replayed(trace, pools, at)
+    workspaces = _workspace_allocations(trace)
     categories: dict[str, float] = defaultdict(float)
     for addr, event in timeline.outside.items():
-        category = by_storage.get(addr) or _by_frames(event.get("frames", []))
+        category = by_storage.get(addr) or (
+            WORKSPACES if id(event) in workspaces else _by_frames(event.get("frames", [])))
         categories[category] += event["size"] / 2**30
     if timeline.pool_size:
         categories[GRAPH_POOL] += timeline.pool_size / 2**30
     result = {"peak_gib": timeline.total / 2**30,
               "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
               "peak_site": _site(trace[at].get("frames", [])) if trace else None,
-              "outside_sites": _top_sites(e for a, e in timeline.outside.items() if a not in by_storage)}
+              "outside_sites": _top_sites(e for a, e in timeline.outside.items()
+                                          if a not in by_storage and id(e) not in workspaces)}
     if pools:
         result["pool"] = _pool_contents(_replayed(trace, pools, at_pool))
         result["pool"]["pools_gib_at_end"] = _replayed(trace, pools, len(trace) - 1).pool_size / 2**30

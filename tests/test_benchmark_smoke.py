@@ -244,3 +244,40 @@ def test_the_memory_breakdown_counts_a_graph_pool_whole_and_opens_it_at_its_full
     assert opened["sites"][0] == {"site": "gpt.py:60 forward", "blocks": 1, "gib": 30 * mib * gib}
     assert result["outside_sites"] == [{"site": "gpt.py:60 forward", "blocks": 1, "gib": 40 * mib * gib},
                                        {"site": "capture.py:113 static_copy", "blocks": 1, "gib": 4 * mib * gib}]
+
+
+def test_the_memory_breakdown_names_cublas_workspaces_by_the_release_that_frees_them():
+    """cuBLAS's workspaces (allocated by a thread's first matmul on a stream, kept for the process's
+    life) are told from that matmul's activations by the release at the end of the run: only the
+    blocks it frees are workspaces, and they leave the sites table."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from memory_breakdown import WORKSPACES, categorized
+
+    mib = 2**20
+    matmul = [{"filename": "/x/torch/nn/modules/linear.py", "line": 134, "name": "forward"},
+              {"filename": "/x/gpt.py", "line": 52, "name": "forward"}]
+    release = [{"filename": "/x/examples/memory_breakdown.py", "line": 1, "name": "release_cublas_workspaces"}]
+
+    def event(action, addr, size, frames=()):
+        return {"action": action, "addr": addr, "size": size, "frames": list(frames)}
+
+    trace = [
+        event("segment_alloc", 0, 512 * mib),
+        event("alloc", 0, 32 * mib, matmul),  # the forward thread's workspace
+        event("alloc", 32 * mib, 32 * mib, matmul),  # an activation of the same size
+        event("alloc", 64 * mib, 32 * mib),  # autograd's thread's workspace: no Python frame
+        event("alloc", 96 * mib, 8 * mib),  # a gradient, no frame
+        event("free_requested", 96 * mib, 8 * mib),
+        event("free_requested", 32 * mib, 32 * mib),
+        event("alloc", 32 * mib, 32 * mib, matmul),  # the next step's activation at the same address
+        event("free_requested", 32 * mib, 32 * mib),
+        event("free_requested", 0, 32 * mib, release),
+        event("free_completed", 0, 32 * mib, release),
+        event("free_requested", 64 * mib, 32 * mib, release),
+    ]
+    result = categorized(trace, [], {})
+    gib = 2**-30
+    assert result["peak_gib"] == (32 + 32 + 32 + 8) * mib * gib
+    assert result["categories"] == {WORKSPACES: 64 * mib * gib, "activations and forward temporaries": 32 * mib * gib,
+                                    "backward: gradients and temporaries (autograd)": 8 * mib * gib}
+    assert result["outside_sites"][0] == {"site": "gpt.py:52 forward", "blocks": 1, "gib": 32 * mib * gib}

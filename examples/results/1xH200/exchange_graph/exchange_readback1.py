@@ -7,16 +7,18 @@ import sys
 
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-from dist_harness import run_ranks  # noqa: E402
 import test_unused_params_gpu as T  # noqa: E402
+
+from dist_harness import run_ranks  # noqa: E402
 
 
 def forced(info, optimizer_in_step):
     import functools
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     import fsdp_graph
     import fsdp_graph.fsdp.unused_params as U
-    from torch.distributed.device_mesh import init_device_mesh
     U._several = lambda group: group  # (a group of one rank exchanges too)
     mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))  # (real groups of one rank)
     fsdp_graph.fully_shard = functools.partial(fsdp_graph.fully_shard, mesh=mesh)
