@@ -536,14 +536,18 @@ def measure(system: str, bench: BenchConfig, env: Env, warmup: int, steps: int, 
 def memory_at_peak(system: str, bench: BenchConfig, env: Env, batches, warmup: int) -> dict:
     """The system built again and run for its warm-up and three steps while the allocator records
     (examples/memory_breakdown.py): what is alive at its peak, by category, in GiB."""
+    kept = []
+
     def run():
         step, _ = BUILDERS[system](bench, env, batches, warmup)
         first = warmup if system in WHOLE_GRAPH_SYSTEMS else 0
         for i in range(first, warmup + 3):
             step(*batches[i])
+        kept.append(step)  # (alive until breakdown released the workspaces: a graph destroyed earlier frees its own)
         return step.bench_model, step.bench_optimizer
 
     result = breakdown(run)  # this rank's
+    kept.clear()
     gc.collect()
     result["peak_gib_max_over_ranks"] = max_over_ranks(result["peak_gib"], env)
     return result
