@@ -164,6 +164,11 @@ def test_scaling_gathers_runs_at_several_world_sizes_into_one_table(tmp_path):
     assert result.returncode != 0 and "runs of several models" in result.stderr
 
 
+def _event(action: str, addr: int, size: int, frames=()) -> dict:
+    """One entry of the allocator's trace, as ``torch.cuda.memory._snapshot()`` records it."""
+    return {"action": action, "addr": addr, "size": size, "frames": list(frames)}
+
+
 def test_the_memory_breakdown_counts_an_expandable_graph_pool_by_its_mapped_pages():
     """With expandable_segments:True a pool is one address range that grows by mapped pages: counted
     as mapped (and its blocks as the pool's), not from a segment_alloc that never comes."""
@@ -174,22 +179,19 @@ def test_the_memory_breakdown_counts_an_expandable_graph_pool_by_its_mapped_page
     model = [{"filename": "/x/gpt.py", "line": 60, "name": "forward"},
              {"filename": "/x/fsdp_graph/graphs/capture.py", "line": 212, "name": "forward_pass"}]
 
-    def event(action, addr, size, frames=()):
-        return {"action": action, "addr": addr, "size": size, "frames": list(frames)}
-
     base = 1 << 40
     trace = [
-        event("segment_map", 0, 64 * mib),  # an ordinary expandable segment
-        event("alloc", 0, 10 * mib),  # a parameter (by storage)
-        event("segment_map", base, 20 * mib),  # the pool's range, mapped page by page as the capture needs
-        event("alloc", base, 12 * mib, model),
-        event("segment_map", base + 20 * mib, 20 * mib),
-        event("alloc", base + 12 * mib, 26 * mib, model),
-        event("free_completed", base + 12 * mib, 26 * mib),
-        event("segment_unmap", base + 20 * mib, 20 * mib),  # pages given back: the pool is 20 MiB ...
-        event("alloc", 10 * mib, 35 * mib, model),  # ... while an eager activation lives beside it
-        event("free_completed", 10 * mib, 35 * mib),
-        event("segment_map", base + 20 * mib, 20 * mib),  # 40 MiB again
+        _event("segment_map", 0, 64 * mib),  # an ordinary expandable segment
+        _event("alloc", 0, 10 * mib),  # a parameter (by storage)
+        _event("segment_map", base, 20 * mib),  # the pool's range, mapped page by page as the capture needs
+        _event("alloc", base, 12 * mib, model),
+        _event("segment_map", base + 20 * mib, 20 * mib),
+        _event("alloc", base + 12 * mib, 26 * mib, model),
+        _event("free_completed", base + 12 * mib, 26 * mib),
+        _event("segment_unmap", base + 20 * mib, 20 * mib),  # pages given back: the pool is 20 MiB ...
+        _event("alloc", 10 * mib, 35 * mib, model),  # ... while an eager activation lives beside it
+        _event("free_completed", 10 * mib, 35 * mib),
+        _event("segment_map", base + 20 * mib, 20 * mib),  # 40 MiB again
     ]
     result = categorized(trace, [(base, base + 40 * mib)], {0: "parameters"})
     gib = 2**-30
@@ -211,26 +213,23 @@ def test_the_memory_breakdown_counts_a_graph_pool_whole_and_opens_it_at_its_full
              {"filename": "/x/fsdp_graph/graphs/capture.py", "line": 212, "name": "forward_pass"}]
     copy = [{"filename": "/x/fsdp_graph/graphs/capture.py", "line": 113, "name": "static_copy"}]
 
-    def event(action, addr, size, frames=()):
-        return {"action": action, "addr": addr, "size": size, "frames": list(frames)}
-
     pool = (1000 * mib, 1064 * mib)  # one 64 MiB segment of a graph's pool
     trace = [
-        event("segment_alloc", pool[0], 64 * mib),  # an ordinary segment where the pool's will be ...
-        event("alloc", pool[0], 60 * mib, model),  # (an eager activation)
-        event("free_requested", pool[0], 60 * mib),
-        event("segment_free", pool[0], 64 * mib),  # ... given back before the capture
-        event("segment_alloc", 0, 512 * mib),  # an ordinary segment
-        event("alloc", 0, 10 * mib),  # a parameter (by storage)
-        event("alloc", 10 * mib, 4 * mib, copy),  # a static input
-        event("segment_alloc", pool[0], 64 * mib),
-        event("alloc", pool[0], 30 * mib, model),  # captured forward: saved activations
-        event("alloc", pool[0] + 30 * mib, 20 * mib),  # captured backward: autograd, no frame
-        event("free_requested", pool[0] + 30 * mib, 20 * mib),
-        event("free_completed", pool[0], 30 * mib),
-        event("alloc", 20 * mib, 40 * mib, model),  # an eager activation later, beside the whole pool
-        event("free_requested", 20 * mib, 40 * mib),
-        event("alloc", 20 * mib, 5 * mib, model),
+        _event("segment_alloc", pool[0], 64 * mib),  # an ordinary segment where the pool's will be ...
+        _event("alloc", pool[0], 60 * mib, model),  # (an eager activation)
+        _event("free_requested", pool[0], 60 * mib),
+        _event("segment_free", pool[0], 64 * mib),  # ... given back before the capture
+        _event("segment_alloc", 0, 512 * mib),  # an ordinary segment
+        _event("alloc", 0, 10 * mib),  # a parameter (by storage)
+        _event("alloc", 10 * mib, 4 * mib, copy),  # a static input
+        _event("segment_alloc", pool[0], 64 * mib),
+        _event("alloc", pool[0], 30 * mib, model),  # captured forward: saved activations
+        _event("alloc", pool[0] + 30 * mib, 20 * mib),  # captured backward: autograd, no frame
+        _event("free_requested", pool[0] + 30 * mib, 20 * mib),
+        _event("free_completed", pool[0], 30 * mib),
+        _event("alloc", 20 * mib, 40 * mib, model),  # an eager activation later, beside the whole pool
+        _event("free_requested", 20 * mib, 40 * mib),
+        _event("alloc", 20 * mib, 5 * mib, model),
     ]
     result = categorized(trace, [pool], {0: "parameters"})
     gib = 2**-30
@@ -258,22 +257,19 @@ def test_the_memory_breakdown_names_cublas_workspaces_by_the_release_that_frees_
               {"filename": "/x/gpt.py", "line": 52, "name": "forward"}]
     release = [{"filename": "/x/examples/memory_breakdown.py", "line": 1, "name": "release_cublas_workspaces"}]
 
-    def event(action, addr, size, frames=()):
-        return {"action": action, "addr": addr, "size": size, "frames": list(frames)}
-
     trace = [
-        event("segment_alloc", 0, 512 * mib),
-        event("alloc", 0, 32 * mib, matmul),  # the forward thread's workspace
-        event("alloc", 32 * mib, 32 * mib, matmul),  # an activation of the same size
-        event("alloc", 64 * mib, 32 * mib),  # autograd's thread's workspace: no Python frame
-        event("alloc", 96 * mib, 8 * mib),  # a gradient, no frame
-        event("free_requested", 96 * mib, 8 * mib),
-        event("free_requested", 32 * mib, 32 * mib),
-        event("alloc", 32 * mib, 32 * mib, matmul),  # the next step's activation at the same address
-        event("free_requested", 32 * mib, 32 * mib),
-        event("free_requested", 0, 32 * mib, release),
-        event("free_completed", 0, 32 * mib, release),
-        event("free_requested", 64 * mib, 32 * mib, release),
+        _event("segment_alloc", 0, 512 * mib),
+        _event("alloc", 0, 32 * mib, matmul),  # the forward thread's workspace
+        _event("alloc", 32 * mib, 32 * mib, matmul),  # an activation of the same size
+        _event("alloc", 64 * mib, 32 * mib),  # autograd's thread's workspace: no Python frame
+        _event("alloc", 96 * mib, 8 * mib),  # a gradient, no frame
+        _event("free_requested", 96 * mib, 8 * mib),
+        _event("free_requested", 32 * mib, 32 * mib),
+        _event("alloc", 32 * mib, 32 * mib, matmul),  # the next step's activation at the same address
+        _event("free_requested", 32 * mib, 32 * mib),
+        _event("free_requested", 0, 32 * mib, release),
+        _event("free_completed", 0, 32 * mib, release),
+        _event("free_requested", 64 * mib, 32 * mib, release),
     ]
     result = categorized(trace, [], {})
     gib = 2**-30
