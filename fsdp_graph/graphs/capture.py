@@ -317,6 +317,16 @@ def captured_call(call: CaptureTarget, fwd: ForwardPass, backward, grad_enabled:
 
 
 @contextmanager
+def backward_on_this_thread():
+    """Warm-ups and captures run their backward on the calling thread, not on autograd's device
+    thread: cuBLAS keeps a workspace (32 MiB on Hopper) per (thread, stream) for the process's life
+    and a graph keeps the one it captured with, so a capture stream whose forward and backward ran
+    on two threads would hold two. Same kernels and streams either way."""
+    with torch.autograd.set_multithreading_enabled(False):
+        yield
+
+
+@contextmanager
 def gc_paused():
     """A collection during capture can free tensors into the wrong pool: none runs meanwhile."""
     was_enabled = gc.isenabled()
@@ -495,7 +505,8 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with gc_paused(), torch.cuda.stream(stream), torch.no_grad() if forward_only else nullcontext():
+    with (gc_paused(), backward_on_this_thread(), torch.cuda.stream(stream),
+          torch.no_grad() if forward_only else nullcontext()):
         if pre_warmup_hook is not None:
             pre_warmup_hook()
         for i in range(num_warmup_iters):

@@ -55,7 +55,7 @@ from ..fsdp.capture_interface import (
     unused_on_every_rank,
 )
 from .activation_offload import refuse_offloaded
-from .capture import argument_names, require_cuda, static_copy
+from .capture import argument_names, backward_on_this_thread, require_cuda, static_copy
 from .chained_buffers import Links, alias_if_fits
 from .frozen_arguments import same
 from .gradient_homes import home_gradients, roots_homed_after
@@ -431,6 +431,7 @@ def _warm_up_and_capture(segments: list[GraphedSegment], chained: list[bool], un
         stack.enter_context(_prefetch_inside(segments))
         stack.enter_context(_fresh_unsharded(units))
         stack.enter_context(torch.cuda.stream(stream))
+        stack.enter_context(backward_on_this_thread())  # (one cuBLAS workspace for the capture stream)
         for segment in segments:
             segment.static_grad_outputs = None
         for i in range(num_warmup_iters):

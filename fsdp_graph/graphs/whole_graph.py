@@ -25,7 +25,7 @@ from typing import TypeVar
 import torch
 
 from ..fsdp.capture_interface import RootContext, release_before_destroy
-from .capture import gc_paused
+from .capture import backward_on_this_thread, gc_paused
 
 T = TypeVar("T")
 
@@ -72,7 +72,7 @@ def capture_whole(what: str, run: Callable[[], T], contexts: list[RootContext], 
         ctx.forget_events()  # (synchronises the device)
     graph = torch.cuda.CUDAGraph()
     try:
-        with gc_paused(), torch.cuda.graph(graph, pool=pool, stream=stream):
+        with gc_paused(), backward_on_this_thread(), torch.cuda.graph(graph, pool=pool, stream=stream):
             result = run()
     except BaseException as err:
         for ctx in contexts:

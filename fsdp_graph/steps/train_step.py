@@ -40,6 +40,7 @@ import torch.nn as nn
 from ..fsdp.capture_interface import root_contexts, units_in
 from ..fsdp.clip_grad import clip_grad_norm_
 from ..graphs.activation_offload import add_host_plans, offload_passes
+from ..graphs.capture import backward_on_this_thread
 from ..graphs.host_sync import no_host_sync
 from ..graphs.replay_stream import replay_target, replay_whole, whole_target
 from ..graphs.static_inputs import StaticInputs
@@ -200,7 +201,9 @@ class GraphedTrainStep:
 
     def _eager_step(self) -> torch.Tensor:
         add_host_plans(self.body.model, self.host_plans, "make_train_step")
-        with (on_stream(self.stream), no_host_sync("the training step", enabled=self.eager_steps > 0),
+        # (Backward on this thread, as in the capture: one cuBLAS workspace for the step's stream.)
+        with (on_stream(self.stream), backward_on_this_thread(),
+              no_host_sync("the training step", enabled=self.eager_steps > 0),
               offload_passes(self.host_plans, capturing=False)):
             loss = self.body.run(tuple(self.inputs.tensors))
         self.eager_steps += 1  # only steps that completed count as warm-up
