@@ -14,7 +14,9 @@ blocks alive then; each block outside the pools is put in one category:
 * by the Python frames that allocated it: the graphs' static inputs and gradient buffers,
   fsdp_graph's persistent unsharded parameter and gradient buffers and its collective staging,
   FSDP2's unsharded parameters and collective buffers, the model's forward (activations), the
-  backward (no Python frame: autograd's gradients and temporaries).
+  backward (autograd's gradients and temporaries: no Python frame on autograd's thread, torch's
+  ``_engine_run_backward`` innermost where the backward runs on the calling thread, as in this
+  package's warm-ups and captures).
 
 The pools are one category, and are opened separately at the moment they held the most: what was
 alive in them by kind (a forward graph's saved activations and outputs, a backward graph's
@@ -103,7 +105,16 @@ def graph_pool_bytes(exclude: set[tuple[int, int]] = frozenset()) -> tuple[int, 
     return sum(s["total_size"] for s in pools), sum(s["allocated_size"] for s in pools)
 
 
+def _from_autograd(frames: list[dict]) -> bool:
+    """Allocated by autograd's engine: on its own thread (no Python frame), or on the calling thread
+    (innermost frame torch's ``_engine_run_backward``), as this package's warm-ups and captures run
+    the backward (one cuBLAS workspace per capture stream)."""
+    return not frames or frames[0]["name"] == "_engine_run_backward"
+
+
 def _by_frames(frames: list[dict]) -> str:
+    if _from_autograd(frames):
+        return BACKWARD
     innermost = frames[:2] if frames and frames[0]["name"].startswith("<") else frames[:1]
     for frame in innermost:
         for file_part, function, category in INNERMOST_RULES:
@@ -113,7 +124,7 @@ def _by_frames(frames: list[dict]) -> str:
         for file_part, function, category in FRAME_RULES:
             if file_part in frame["filename"] and (function is None or frame["name"] == function):
                 return category
-    return FORWARD if frames else BACKWARD
+    return FORWARD
 
 
 class _Timeline:
@@ -195,15 +206,17 @@ def _peaks(trace: list[dict], pools: list[tuple[int, int]]) -> tuple[int, int]:
 
 def _site(frames: list[dict]) -> str:
     """The innermost frame outside torch: where a block was allocated, for the pool's table."""
+    if _from_autograd(frames):
+        return "autograd (a backward's gradients and temporaries)"
     for frame in frames:
         if "/torch/" not in frame["filename"]:
             return f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}"
-    return "autograd (no Python frame: a backward's gradients and temporaries)"
+    return "torch (no frame outside it)"
 
 
 def _pool_kind(frames: list[dict]) -> str:
     names = {frame["name"] for frame in frames}
-    if not frames:
+    if _from_autograd(frames):
         return "backward graphs: gradients and temporaries (autograd)"
     if names & {"forward_pass", "_run_forward"}:
         return "forward graphs: saved activations and outputs"

@@ -206,12 +206,14 @@ def test_the_memory_breakdown_counts_a_graph_pool_whole_and_opens_it_at_its_full
     """--memory's trace replay: the peak counts a private pool's segments whole from their creation
     (a replay uses all of it), the blocks outside by category, and the pool's contents at its fullest."""
     sys.path.insert(0, str(REPO / "examples"))
-    from memory_breakdown import GRAPH_POOL, STATICS, categorized
+    from memory_breakdown import GRAPH_POOL, STATICS, _by_frames, categorized
 
     mib = 2**20
     model = [{"filename": "/x/gpt.py", "line": 60, "name": "forward"},
              {"filename": "/x/fsdp_graph/graphs/capture.py", "line": 212, "name": "forward_pass"}]
     copy = [{"filename": "/x/fsdp_graph/graphs/capture.py", "line": 113, "name": "static_copy"}]
+    engine = [{"filename": "/x/torch/autograd/graph.py", "line": 841, "name": "_engine_run_backward"},
+              {"filename": "/x/fsdp_graph/graphs/capture.py", "line": 277, "name": "backward_pass"}]
 
     pool = (1000 * mib, 1064 * mib)  # one 64 MiB segment of a graph's pool
     trace = [
@@ -224,8 +226,10 @@ def test_the_memory_breakdown_counts_a_graph_pool_whole_and_opens_it_at_its_full
         _event("alloc", 10 * mib, 4 * mib, copy),  # a static input
         _event("segment_alloc", pool[0], 64 * mib),
         _event("alloc", pool[0], 30 * mib, model),  # captured forward: saved activations
-        _event("alloc", pool[0] + 30 * mib, 20 * mib),  # captured backward: autograd, no frame
-        _event("free_requested", pool[0] + 30 * mib, 20 * mib),
+        _event("alloc", pool[0] + 30 * mib, 12 * mib),  # captured backward: autograd's thread, no frame
+        _event("alloc", pool[0] + 42 * mib, 8 * mib, engine),  # ... or the calling thread, in the engine
+        _event("free_requested", pool[0] + 30 * mib, 12 * mib),
+        _event("free_requested", pool[0] + 42 * mib, 8 * mib),
         _event("free_completed", pool[0], 30 * mib),
         _event("alloc", 20 * mib, 40 * mib, model),  # an eager activation later, beside the whole pool
         _event("free_requested", 20 * mib, 40 * mib),
@@ -243,6 +247,7 @@ def test_the_memory_breakdown_counts_a_graph_pool_whole_and_opens_it_at_its_full
     assert opened["sites"][0] == {"site": "gpt.py:60 forward", "blocks": 1, "gib": 30 * mib * gib}
     assert result["outside_sites"] == [{"site": "gpt.py:60 forward", "blocks": 1, "gib": 40 * mib * gib},
                                        {"site": "capture.py:113 static_copy", "blocks": 1, "gib": 4 * mib * gib}]
+    assert _by_frames(engine) == "backward: gradients and temporaries (autograd)"  # (outside the pools alike)
 
 
 def test_the_memory_breakdown_names_cublas_workspaces_by_the_release_that_frees_them():

@@ -21,22 +21,22 @@ import fsdp_graph
 from fsdp_graph import GraphConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-SEEN: list[tuple[int, int]] = []  # (thread, stream) of every probe call
+SEEN: list[tuple[int, int, str]] = []  # (thread, stream, "forward" or "backward") of every probe call
 
 
-def _note() -> None:
-    SEEN.append((threading.get_ident(), torch.cuda.current_stream().cuda_stream))
+def _note(what: str) -> None:
+    SEEN.append((threading.get_ident(), torch.cuda.current_stream().cuda_stream, what))
 
 
 class _Probe(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        _note()
+        _note("forward")
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        _note()
+        _note("backward")
         return grad
 
 
@@ -71,10 +71,12 @@ def _sharded() -> Model:
     return fsdp_graph.fully_shard(model)
 
 
-def _threads_by_stream() -> dict[int, set[int]]:
+def _by_stream(what: str | None = None) -> dict[int, set[int]]:
+    """Stream -> the threads the probe ran on there (its forwards and backwards, or only ``what``)."""
     by_stream: dict[int, set[int]] = {}
-    for thread, stream in SEEN:
-        by_stream.setdefault(stream, set()).add(thread)
+    for thread, stream, kind in SEEN:
+        if what in (None, kind):
+            by_stream.setdefault(stream, set()).add(thread)
     return by_stream
 
 
@@ -93,8 +95,9 @@ def test_warm_ups_and_captures_run_the_backward_on_the_calling_thread(config):
         step(*batch)
     torch.cuda.synchronize()
     caller = torch.cuda.current_stream().cuda_stream
-    elsewhere = {s: threads for s, threads in _threads_by_stream().items() if s != caller}
-    assert elsewhere, "no probe ran on a warm-up or capture stream"
+    elsewhere = {s: threads for s, threads in _by_stream().items() if s != caller}
+    backwards = {s for s in _by_stream("backward") if s != caller}
+    assert backwards, "no backward ran on a warm-up or capture stream"
     main = threading.get_ident()
     assert all(threads == {main} for threads in elsewhere.values()), elsewhere
 
@@ -102,4 +105,4 @@ def test_warm_ups_and_captures_run_the_backward_on_the_calling_thread(config):
     SEEN.clear()
     _sharded()(*batch).backward()
     torch.cuda.synchronize()
-    assert len(_threads_by_stream()[caller]) == 2
+    assert len(_by_stream().get(caller, set())) == 2
