@@ -11,12 +11,20 @@ allocator hands that memory out again.
 
 So every capture of this package draws its stream here: the next pooled stream that no live
 holder (a step, a group of graphed callables) of ours was given, nor torch's default capture
-stream (``torch.cuda.graph``'s). Past 32 live holders on a device every stream is taken; the
-stream is then shared, with a warning that names the fix.
+stream (``torch.cuda.graph``'s, where it exists already). A dropped set holds its stream until
+its graphs are destroyed, which for graphed callables (a cycle with their group) is the garbage
+collector's next run: when every stream is held, a collection runs and the pool is searched
+again. Past that every stream is taken; the stream is then shared, with a warning that names the
+fix. Collective graphs are not drawn here: they capture on FSDP's side streams (the high-priority
+pool), with no cuBLAS call in them.
 """
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
+import threading
 import warnings
 import weakref
 
@@ -24,6 +32,8 @@ import torch
 
 STREAMS_PER_POOL = 32  # torch's pooled streams per device and priority (c10's kStreamsPerPool)
 _holders: dict[tuple[int, int], weakref.WeakSet] = {}  # (device, CUDA stream) -> live holders given it
+_lock = threading.Lock()
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _key(stream: torch.cuda.Stream) -> tuple[int, int]:
@@ -35,29 +45,42 @@ def _taken(stream: torch.cuda.Stream) -> bool:
     return bool(_holders.get(_key(stream))) or (default is not None and _key(default) == _key(stream))
 
 
+def _free_stream(device) -> torch.cuda.Stream | None:
+    """The first of the pool's streams (one round of draws) that no live holder has, or None."""
+    for _ in range(STREAMS_PER_POOL):
+        stream = torch.cuda.Stream(device)
+        if not _taken(stream):
+            return stream
+    return None
+
+
 def capture_stream(device: torch.device | int | None, holder: object) -> torch.cuda.Stream:
     """A stream on ``device`` to warm up and capture on, kept from later captures while ``holder``
     (what owns the graphs captured on it) lives."""
-    stream = torch.cuda.Stream(device)
-    for _ in range(STREAMS_PER_POOL - 1):
-        if not _taken(stream):
-            break
-        stream = torch.cuda.Stream(device)
-    else:
-        if _taken(stream):
+    with _lock:
+        stream = _free_stream(device)
+        if stream is None:
+            gc.collect()  # (dropped graph sets wait for the collector: their groups and callables form cycles)
+            stream = _free_stream(device)
+        if stream is None:
+            stream = torch.cuda.Stream(device)
             warnings.warn(
-                f"fsdp_graph: more than {STREAMS_PER_POOL} sets of CUDA graphs are alive on {stream.device}, more than "
-                "torch has streams to capture them on, so two sets share a capture stream and its cuBLAS workspace; "
+                f"fsdp_graph: every capture stream torch has on {stream.device} ({STREAMS_PER_POOL}) is held by a live "
+                "set of CUDA graphs, so this one shares a capture stream and its cuBLAS workspace with another; "
                 "destroying either would free the workspace the other's matmuls still write. Drop the steps and "
-                "graphed modules you no longer use (del step) before building new ones, or graph more modules "
-                "per call (one graph_modules call for all blocks).",
+                "graphed modules you no longer use (del step; gc.collect()) before building new ones, or graph "
+                "more modules per call (one graph_modules call for all blocks).",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=_outside_package(),
             )
-    _holders.setdefault(_key(stream), weakref.WeakSet()).add(holder)
+        _holders.setdefault(_key(stream), weakref.WeakSet()).add(holder)
     return stream
 
 
-def holders_of(stream: torch.cuda.Stream) -> int:
-    """How many live holders were given ``stream`` (for tests)."""
-    return len(_holders.get(_key(stream), ()))
+def _outside_package() -> int:
+    """The ``stacklevel`` of the first caller outside this package (the user's line) for a warning
+    issued by the function that calls this one."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
