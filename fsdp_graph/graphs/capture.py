@@ -41,6 +41,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from ..fsdp.capture_interface import master_owner, pin_addresses
 from .activation_offload import OFFLOAD_MARK, HostPlan
+from .capture_streams import capture_stream
 from .chained_buffers import alias_if_fits, chained_sources
 from .gradient_homes import home_gradients, roots_homed_after
 from .graphed_callable import CapturedCall, CaptureGroup, GraphedCallable, autocast_state, describe_signature
@@ -503,7 +504,7 @@ def _capture(calls: list[CaptureTarget], num_warmup_iters: int, pre_warmup_hook,
     group = CaptureGroup()
     homed = None if pool is not None or forward_only or plan is not None else _homing(calls)
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
+    stream = group.capture_stream = capture_stream(None, group)  # (one no live graph set of ours shares)
     stream.wait_stream(torch.cuda.current_stream())
     with (gc_paused(), backward_on_this_thread(), torch.cuda.stream(stream),
           torch.no_grad() if forward_only else nullcontext()):

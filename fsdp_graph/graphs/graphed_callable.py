@@ -76,6 +76,7 @@ class CaptureGroup:
 
     def __init__(self) -> None:
         self.members: list[GraphedCallable] = []
+        self.capture_stream = None  # the stream its graphs were captured on (capture_streams.py)
         self.host_plan = None  # activation offload: the pinned buffers the graphs copy to and from
         # The member whose offloaded tensors the last prefetching backward brought back into the pool.
         # Any forward replay of the group may overwrite them, and clears it. A backward that prefetches

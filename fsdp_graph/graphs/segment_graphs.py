@@ -56,6 +56,7 @@ from ..fsdp.capture_interface import (
 )
 from .activation_offload import refuse_offloaded
 from .capture import argument_names, backward_on_this_thread, require_cuda, static_copy
+from .capture_streams import capture_stream
 from .chained_buffers import Links, alias_if_fits
 from .frozen_arguments import same
 from .gradient_homes import home_gradients, roots_homed_after
@@ -422,7 +423,8 @@ def _chain_gradient(segment: GraphedSegment, output: torch.Tensor) -> None:
 def _warm_up_and_capture(segments: list[GraphedSegment], chained: list[bool], units: list[FSDPUnit],
                          contexts: list, num_warmup_iters: int, pool) -> None:
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream(segments[0].device)
+    group = segments[0].group
+    stream = group.capture_stream = capture_stream(segments[0].device, group)  # (one no live set of ours shares)
     where = f"graph_segments ({len(segments)} segments)"
     with ExitStack() as stack:
         for ctx in contexts:

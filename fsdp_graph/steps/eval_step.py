@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..fsdp.capture_interface import TrainingState, root_contexts, units_in
+from ..graphs.capture_streams import capture_stream
 from ..graphs.host_sync import no_host_sync
 from ..graphs.module_graphs import eval_mode
 from ..graphs.replay_stream import replay_target, replay_whole, whole_target
@@ -49,7 +50,7 @@ class GraphedForward:
         self.units = units_in(model)
         self.inputs = StaticInputs("make_eval_step", tuple(example_args), self.units[0].device)
         contexts = root_contexts(model)
-        stream = torch.cuda.Stream(self.units[0].device)
+        stream = capture_stream(self.units[0].device, self)  # (one no live graph set of ours shares)
         run = lambda: model(*self.inputs.tensors)  # noqa: E731
         with ExitStack() as stack:
             for ctx in contexts:

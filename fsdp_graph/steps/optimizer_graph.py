@@ -45,6 +45,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from ..fsdp.capture_interface import local_tensor, master_owner, require_fixed_addresses, root_contexts, units_in
 from ..fsdp.clip_grad import clip_grad_norm_
+from ..graphs.capture_streams import capture_stream
 from ..graphs.host_sync import no_host_sync
 from ..graphs.replay_stream import replay_target, replay_whole, whole_target
 from ..graphs.whole_graph import capture_whole
@@ -71,7 +72,7 @@ class GraphedOptimizerStep:
             optimizer, self.device, WHAT, "build it again (graph_optimizer_step, or make_train_step)")
         self.num_warmup_iters = num_warmup_iters
         self.replay_default = replay_target(replay_stream, None, WHAT)
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = capture_stream(self.device, self)  # (one no live graph set of ours shares)
         self.graphs: list | None = None  # [clip graph (with max_grad_norm), step graph]
         self._norm: torch.Tensor | None = None  # the clip graph's output: the total norm
         self._grads: list = []  # each parameter's ``.grad`` at the capture

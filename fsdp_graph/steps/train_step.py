@@ -41,6 +41,7 @@ from ..fsdp.capture_interface import root_contexts, units_in
 from ..fsdp.clip_grad import clip_grad_norm_
 from ..graphs.activation_offload import add_host_plans, offload_passes
 from ..graphs.capture import backward_on_this_thread
+from ..graphs.capture_streams import capture_stream
 from ..graphs.host_sync import no_host_sync
 from ..graphs.replay_stream import replay_target, replay_whole, whole_target
 from ..graphs.static_inputs import StaticInputs
@@ -164,7 +165,7 @@ class GraphedTrainStep:
         self.inputs = StaticInputs("make_train_step", tuple(example_batch), self.device)
         self.num_warmup_iters = num_warmup_iters
         self.contexts = root_contexts(body.model)
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = capture_stream(self.device, self)  # (one no live graph set of ours shares)
         self.graph = None
         self.static_loss: torch.Tensor | None = None
         self.eager_steps = 0
