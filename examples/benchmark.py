@@ -22,6 +22,9 @@ mask), fsdp2_eager keeps HF's default (SDPA's is_causal kernels).
   ours_layer_graphs_eager_fsdp  the same with GraphConfig(collective_graphs=False): the units'
                      unshard and reduce run eagerly between the graphed blocks (the system before
                      collective graphs, for comparison in the same run)
+  ours_layer_and_optimizer_graphs  ours_layer_graphs with the optimizer step replayed as a graph of
+                     its own, reading the gradients where the layer graphs homed them:
+                     GraphConfig(strategy="layer", optimizer_graph=True)
   ours_segment_graphs  the same, the blocks graphed --segment-size (3) at a time with their FSDP
                      steps inside: GraphConfig(strategy="layer", segment_size=3)
   ours_segment_and_optimizer_graphs  the same, the optimizer step replayed as a graph of its own:
@@ -75,13 +78,15 @@ from hot_path import HotPathTimer  # noqa: E402
 from step_profile import kernel_breakdown  # noqa: E402
 
 SYSTEMS = ("fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp",
-           "ours_segment_graphs", "ours_segment_and_optimizer_graphs", "ours_full_iteration", "floor")
+           "ours_layer_and_optimizer_graphs", "ours_segment_graphs", "ours_segment_and_optimizer_graphs",
+           "ours_full_iteration", "floor")
 # Added by --offload (GPU only): every block's activations offloaded, then every 2nd, 3rd, 4th block's; and
 # under per-layer graphs and the whole step, every block's and every 3rd block's.
 OFFLOAD_SYSTEMS = ("ours_eager_offload", "ours_eager_offload_every2", "ours_eager_offload_every3",
                    "ours_eager_offload_every4", "ours_layer_graphs_offload", "ours_layer_graphs_offload_every3",
                    "ours_full_iteration_offload", "ours_full_iteration_offload_every3")
-GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp", "ours_segment_graphs",
+GRAPH_SYSTEMS = ("fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp",
+                 "ours_layer_and_optimizer_graphs", "ours_segment_graphs",
                  "ours_segment_and_optimizer_graphs", "ours_full_iteration", "floor", *OFFLOAD_SYSTEMS[4:])
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 SEGMENT_SIZE = [3]  # ours_segment_graphs' blocks per graph (--segment-size)
@@ -296,6 +301,10 @@ def ours_layer_graphs_offload_every3(bench, env, batches, warmup):
 
 def ours_layer_graphs_eager_fsdp(bench, env, batches, warmup):
     return ours_layer_graphs(bench, env, batches, warmup, collective_graphs=False)
+
+
+def ours_layer_and_optimizer_graphs(bench, env, batches, warmup):
+    return ours_layer_graphs(bench, env, batches, warmup, optimizer_graph=True)
 
 
 def ours_segment_graphs(bench, env, batches, warmup):

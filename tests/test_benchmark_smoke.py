@@ -13,9 +13,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = {"fsdp2_eager", "fsdp2_full_graph", "ours_eager", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp",
-           "ours_segment_graphs", "ours_segment_and_optimizer_graphs", "ours_full_iteration", "floor"}
-GRAPH_SYSTEMS = {"fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp", "ours_segment_graphs",
-                 "ours_segment_and_optimizer_graphs", "ours_full_iteration", "floor"}
+           "ours_layer_and_optimizer_graphs", "ours_segment_graphs", "ours_segment_and_optimizer_graphs",
+           "ours_full_iteration", "floor"}
+GRAPH_SYSTEMS = {"fsdp2_full_graph", "ours_layer_graphs", "ours_layer_graphs_eager_fsdp",
+                 "ours_layer_and_optimizer_graphs", "ours_segment_graphs", "ours_segment_and_optimizer_graphs",
+                 "ours_full_iteration", "floor"}
 
 
 def run_smoke(out: Path, *args: str) -> dict[str, dict]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fsdp_graph.fsdp.capture_interface import GradHomes, root_contexts, units_in
+from fsdp_graph.steps.optimizer_graph import CapturedGradients
 
 from dist_harness import run_ranks
 from models import RecordingCollectiveBodies, build, local_loss, on_fixed_buffers, shard
@@ -407,3 +408,51 @@ def test_a_home_is_busy_while_a_graph_from_its_homing_index_on_awaits_its_backwa
     del group
     gc.collect()
     assert not _backward_pending(ref, 0), "a group that is gone has no graph to wait for"
+
+
+def _optimizer_graph_reads_the_homes(info) -> None:
+    """What the optimizer graph relies on to read the gradients at their home instead of pinning them:
+    with ``zero_grad()`` each step, every reduce sets the same ``.grad`` objects at the same addresses,
+    so ``CapturedGradients`` (the optimizer graph's check, taken at its capture) finds them unchanged
+    and the graph may replay. It holds them weakly: a reader that held them strongly, as the check did
+    while it pinned, would count as a user holding the views, and the values would move out of the home
+    at every forward (new memory, new objects: never the captured ones). A forward between the backward
+    and the step (an evaluation) moves them out too: the check sees it, and the step runs eagerly.
+    With ``zero_grad(set_to_none=False)`` they move out once, at the first forward, and stay out where
+    the capture finds them: the graph replays (with the memory such a loop has anyway)."""
+    cases = {"weak": ("weak", True, False), "strong": ("strong", True, False),
+             "a forward before the step": ("weak", True, True), "set_to_none=False": ("weak", False, False)}
+    for what, (reader, set_to_none, forward_between) in cases.items():
+        model, _ = build(info.device, vocab=301, n_blocks=3)
+        shard(model)
+        homes = _homed(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        params = [p for p in model.parameters() if p.requires_grad]
+        captured, held, differs = None, None, []
+        for step in range(4):
+            _before_forward(homes)
+            local_loss(model, step, info).backward()
+            if forward_between:
+                _before_forward(homes)
+                with torch.no_grad():
+                    local_loss(model, step, info)
+            grads = [p.grad for p in params]
+            if step == 1:  # (the capture, after a warm-up step)
+                captured = CapturedGradients(grads)
+                held = grads if reader == "strong" else None
+            elif captured is not None:
+                differs.append(captured.differs(grads))
+            del grads
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        at_home = [g._at_home for g in homes.members]
+        if what in ("weak", "set_to_none=False"):
+            assert differs == [None, None], f"{what}: the gradients moved between steps: {differs}"
+            assert all(at_home) if what == "weak" else not any(at_home), what
+        else:
+            assert all(d is not None for d in differs), f"{what}: {differs}"
+        del held
+
+
+def test_the_optimizer_graph_finds_homed_gradients_where_it_captured_them_while_zero_grad_drops_them():
+    run_ranks(_optimizer_graph_reads_the_homes, 2)

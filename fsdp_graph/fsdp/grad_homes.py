@@ -24,8 +24,10 @@ The gradients stay the user's as in FSDP2: ``zero_grad()`` drops them, ``.grad``
 kept. Before a graph of the pool replays a forward, ``GradHomes.vacate`` moves values someone still
 holds (a ``.grad`` not set to None, a ``.grad`` object kept) into memory of their own, the tensor
 objects staying the same; a tensor made from a gradient (a slice, a view) cannot follow and is
-refused, naming the fix. The optimizer graph pins the gradients at fixed addresses: ``pin`` gives
-the home up. Only a pool of the graphs alone (``pool=None``; not with activation offload) gets homes.
+refused, naming the fix. A home is at fixed addresses, so the optimizer graph reads the gradients
+there (it pins, and ``pin`` gives a home up, only gradients without one; it holds the ``.grad``
+objects weakly, as a strong reference would count as a holder). Only a pool of the graphs alone
+(``pool=None``; not with activation offload) gets homes.
 
 A home is one piece per parameter (its local rows), not one block for the whole unit: the blocks a
 backward capture frees are single activations, rarely as large as a unit's gradients, and a home

@@ -86,7 +86,7 @@ def make_train_step(
         if body.offload is not None and not body.offload.owned:  # (no graph recorded it: it goes with the step)
             body.offload.remove()
         raise
-    if config.optimizer_graph:  # last: it pins every unit's gradients for good
+    if config.optimizer_graph:  # last: it reads the homes the module graphs took (pins the rest for good)
         body.optimizer_step = graph_optimizer_step(model, optimizer, max_grad_norm=max_grad_norm,
                                                    num_warmup_iters=config.num_warmup_iters,
                                                    replay_stream=config.replay_stream)

@@ -14,8 +14,11 @@ tensors, the sharded gradients once pinned), so it is captured once and replayed
 
 (``GraphConfig(strategy="layer", optimizer_graph=True)`` does this inside ``make_train_step``.)
 
-* Building it pins every unit's sharded gradients, so the ``.grad`` each reduce sets is the same
-  tensor at the same address every step.
+* The graphs read every ``.grad`` at a fixed address: building it pins each unit's sharded
+  gradients (the ``.grad`` each reduce sets is the same tensor at the same address every step),
+  except where per-layer or segment graphs gave them a home in their pool, which is at fixed
+  addresses already (``fsdp/grad_homes.py``): there the optimizer graph costs no gradient memory.
+  Build it after the module graphs, which take the homes.
 * The first ``num_warmup_iters`` calls step eagerly (the step body, not its hooks, under the
   host-sync check from the second call on); the next one captures and replays. A capture in which
   the optimizer made state (a parameter's first gradient: Adam makes its moments then) is thrown
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import chain
@@ -65,7 +69,8 @@ class GraphedOptimizerStep:
         self.model, self.optimizer, self.max_grad_norm = model, optimizer, max_grad_norm
         units = units_in(model)
         for unit in units:
-            unit.grads.pin_sharded()  # the graph reads the gradients at fixed addresses
+            if unit.grads.sharded.home is None:  # (a home in the graphs' pool is at fixed addresses already)
+                unit.grads.pin_sharded()  # the graph reads the gradients at fixed addresses
         self.device = units[0].device
         self.params = _read_params(model, optimizer, max_grad_norm is not None)
         self.captured_optimizer = CapturedOptimizer(
@@ -75,8 +80,7 @@ class GraphedOptimizerStep:
         self.stream = capture_stream(self.device, self)  # (one no live graph set of ours shares)
         self.graphs: list | None = None  # [clip graph (with max_grad_norm), step graph]
         self._norm: torch.Tensor | None = None  # the clip graph's output: the total norm
-        self._grads: list = []  # each parameter's ``.grad`` at the capture
-        self._addresses: list[int] = []
+        self._captured: CapturedGradients | None = None  # the ``.grad`` the graphs read, and where
         self.eager_steps = 0
         self.replays = 0
         self.eager_after_capture = 0  # steps whose gradients were not the captured ones
@@ -120,8 +124,7 @@ class GraphedOptimizerStep:
     def _capture(self) -> bool:
         """Record the clipping and the step (hooks off); the caller replays them: this call's step. False
         (nothing kept) if the step made optimizer state, which the caller then makes eagerly."""
-        grads = [p.grad for p in self.params]
-        addresses = _addresses(grads)
+        captured = CapturedGradients([p.grad for p in self.params])  # (what the graphs will read)
         self.captured_optimizer.refuse_tensor_hyperparameters()
         contexts = root_contexts(self.model)
         pool = torch.cuda.graph_pool_handle()  # the two graphs replay one after the other: one pool
@@ -138,27 +141,48 @@ class GraphedOptimizerStep:
         if made:  # (a parameter's first gradient: ``CapturedOptimizer.drop_state_made_since``)
             return False
         self.captured_optimizer.freeze()
-        self.graphs, self._norm, self._grads, self._addresses = [clip, step], norm, grads, addresses
+        self.graphs, self._norm, self._captured = [clip, step], norm, captured
         return True
 
     def _same_gradients(self) -> bool:
-        grads = [p.grad for p in self.params]
-        if all(map(operator.is_, grads, self._grads)) and _addresses(grads) == self._addresses:
+        which = self._captured.differs([p.grad for p in self.params])
+        if which is None:
             return True
         if not self._warned:
             self._warned = True
-            changed = next((i for i, (g, c) in enumerate(zip(grads, self._grads)) if g is not c), None)
-            which = "a .grad's memory moved" if changed is None else (
-                f"parameter {changed}'s .grad is {'None' if grads[changed] is None else 'another tensor'}, "
-                f"{'None' if self._grads[changed] is None else 'a tensor'} at the capture")
             warnings.warn(
                 f"{WHAT}: this step's gradients are not the ones the graph was captured with ({which}: a "
-                "parameter no rank used this step, or a .grad replaced), so it steps eagerly, as "
+                "parameter no rank used this step, a .grad replaced, or, under per-layer and segment graphs, "
+                "gradients moved out of their home in the graphs' pool because a .grad was still set when a "
+                "graphed forward ran: a forward between the backward and this step, or zero_grad(set_to_none="
+                "False); step and call zero_grad() before the next forward), so it steps eagerly, as "
                 "optimizer.step() would; correct, but without the graph's speed. Steps whose gradients match "
                 "the capture replay again. (Warned once.)",
                 stacklevel=3,
             )
         return False
+
+
+class CapturedGradients:
+    """The ``.grad`` objects a captured step read, and their addresses, to compare before each replay.
+    Held weakly: a gradient home counts who holds its views (``fsdp/grad_homes.py``), and a strong
+    reference here would count as a user's, moving the values out of the home at every forward
+    (a copy into new memory: new addresses, and every step eager)."""
+
+    def __init__(self, grads: list) -> None:
+        self._refs = [None if g is None else weakref.ref(g) for g in grads]
+        self._addresses = _addresses(grads)
+
+    def differs(self, grads: list) -> str | None:
+        """None where ``grads`` are the captured objects at the captured addresses; else what differs."""
+        captured = [None if ref is None else ref() for ref in self._refs]
+        if all(map(operator.is_, grads, captured)) and _addresses(grads) == self._addresses:
+            return None
+        changed = next((i for i, (g, c) in enumerate(zip(grads, captured)) if g is not c), None)
+        if changed is None:
+            return "a .grad's memory moved"
+        return (f"parameter {changed}'s .grad is {'None' if grads[changed] is None else 'another tensor'}, "
+                f"{'None' if self._refs[changed] is None else 'a tensor'} at the capture")
 
 
 def graph_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None,
