@@ -412,46 +412,45 @@ def test_a_home_is_busy_while_a_graph_from_its_homing_index_on_awaits_its_backwa
 
 def _optimizer_graph_reads_the_homes(info) -> None:
     """What the optimizer graph relies on to read the gradients at their home instead of pinning them:
-    with ``zero_grad()`` each step, every reduce sets the same ``.grad`` objects at the same addresses,
-    so ``CapturedGradients`` (the optimizer graph's check, taken at its capture) finds them unchanged
-    and the graph may replay. It holds them weakly: a reader that held them strongly, as the check did
-    while it pinned, would count as a user holding the views, and the values would move out of the home
-    at every forward (new memory, new objects: never the captured ones). A forward between the backward
-    and the step (an evaluation) moves them out too: the check sees it, and the step runs eagerly.
-    With ``zero_grad(set_to_none=False)`` they move out once, at the first forward, and stay out where
-    the capture finds them: the graph replays (with the memory such a loop has anyway)."""
-    cases = {"weak": ("weak", True, False), "strong": ("strong", True, False),
-             "a forward before the step": ("weak", True, True), "set_to_none=False": ("weak", False, False)}
-    for what, (reader, set_to_none, forward_between) in cases.items():
+    with ``zero_grad()`` each step every reduce writes the home, so ``CapturedGradients`` (its check,
+    taken at its capture) finds each ``.grad`` where it captured it and the graph may replay. A forward
+    between the backward and the step (an evaluation) moves them out: that step the check refuses,
+    and once they are back home (next step, under new ``.grad`` objects) it replays again. The check
+    holds no ``.grad`` strongly: a reader that did would count as a user holding the views, and the
+    values would move out at every forward (a copy each step). With ``zero_grad(set_to_none=False)``
+    they move out once, at the first forward, and stay out where the capture finds them."""
+    cases = {"zero_grad()": (True, ()), "a forward before the step, at step 2": (True, (2,)),
+             "set_to_none=False": (False, ())}
+    for what, (set_to_none, forward_between) in cases.items():
         model, _ = build(info.device, vocab=301, n_blocks=3)
         shard(model)
         homes = _homed(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         params = [p for p in model.parameters() if p.requires_grad]
-        captured, held, differs = None, None, []
-        for step in range(4):
+        captured, differs, moves = None, [], []
+        for step in range(5):
             _before_forward(homes)
             local_loss(model, step, info).backward()
-            if forward_between:
+            if step in forward_between:
                 _before_forward(homes)
                 with torch.no_grad():
                     local_loss(model, step, info)
+            moves.append(not any(g._at_home for g in homes.members))
             grads = [p.grad for p in params]
             if step == 1:  # (the capture, after a warm-up step)
                 captured = CapturedGradients(grads)
-                held = grads if reader == "strong" else None
             elif captured is not None:
-                differs.append(captured.differs(grads))
+                differs.append(captured.differs(grads) is not None)
             del grads
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
-        at_home = [g._at_home for g in homes.members]
-        if what in ("weak", "set_to_none=False"):
-            assert differs == [None, None], f"{what}: the gradients moved between steps: {differs}"
-            assert all(at_home) if what == "weak" else not any(at_home), what
-        else:
-            assert all(d is not None for d in differs), f"{what}: {differs}"
-        del held
+        if what == "zero_grad()":
+            assert differs == [False, False, False] and not any(moves), f"{what}: {differs}, moved {moves}"
+            assert all(g._only_ours() for g in homes.members), "the check holds a .grad: it would count as the user's"
+        elif what == "set_to_none=False":
+            assert differs == [False, False, False] and moves[1:] == [True] * 4, f"{what}: {differs}, {moves}"
+        else:  # (step 2 differs; steps 3 and 4 are home again, under other .grad objects than at the capture)
+            assert differs == [True, False, False] and moves == [False, False, True, False, False], (differs, moves)
 
 
 def test_the_optimizer_graph_finds_homed_gradients_where_it_captured_them_while_zero_grad_drops_them():

@@ -180,6 +180,70 @@ def test_graph_optimizer_step_in_a_hand_written_loop_is_bitwise_eager():
     run_ranks(_hand_loop_matches_eager, _ranks())
 
 
+def _layer_loop(info, graphed: bool, forward_at: tuple = (), optimizer_first: bool = False):
+    """A hand-written loop over per-layer graphs (``graph_modules`` on the blocks) and the optimizer graph,
+    which reads the blocks' gradients at their home in the graphs' pool. At the steps in ``forward_at``
+    a forward between the backward and the step (an evaluation in train mode) moves them out of the
+    home: that step runs eagerly, and the next ones, whose gradients are home again (under other
+    ``.grad`` objects), replay. ``optimizer_first``: the optimizer graph built before the module graphs
+    pins the gradients, which then get no home (a warning says so and names the order)."""
+    model = _build(info, oversized_block=False)
+    opt = _adamw(model, info.device)
+    hidden = torch.randn(4, CFG.seq_len, CFG.d_model, device=info.device, dtype=torch.bfloat16, requires_grad=True)
+    graph_blocks = lambda: fsdp_graph.graph_modules(list(model.blocks), [(hidden,)] * CFG.n_layers,  # noqa: E731
+                                                    num_warmup_iters=WARMUP)
+    opt_step = None
+    if graphed and optimizer_first:
+        opt_step = fsdp_graph.graph_optimizer_step(model, opt, max_grad_norm=0.5, num_warmup_iters=WARMUP)
+        with pytest.warns(UserWarning, match=r"pinned .*Build graph_optimizer_step after graph_modules") as caught:
+            graph_blocks()
+        pinned = [w for w in caught if "are pinned" in str(w.message)]
+        assert len(pinned) == 1 and pinned[0].filename == __file__, "one warning, at the user's line"
+    elif graphed:
+        graph_blocks()
+        opt_step = fsdp_graph.graph_optimizer_step(model, opt, max_grad_norm=0.5, num_warmup_iters=WARMUP)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(STEPS):
+            loss = model(*_batch(i, info))[1]
+            loss.backward()
+            if i in forward_at:
+                with torch.no_grad():
+                    model(*_batch(i, info))
+            if graphed:
+                opt_step()
+            else:
+                fsdp_graph.clip_grad_norm_(model, 0.5)
+                opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    if graphed:
+        sharded = [units_in(block)[0].grads.sharded for block in model.blocks]
+        assert all((g.home is None) == optimizer_first for g in sharded), "homed exactly when built in order"
+        moved_steps = 0 if optimizer_first else len([i for i in forward_at if i >= WARMUP])
+        counts = (opt_step.eager_steps, opt_step.replays, opt_step.eager_after_capture)
+        assert counts == (WARMUP, STEPS - WARMUP - moved_steps, moved_steps), counts
+        fallbacks = [w for w in caught if "steps eagerly, as optimizer.step() would" in str(w.message)]
+        assert len(fallbacks) == (1 if moved_steps else 0), [str(w.message) for w in caught]
+    return torch.stack(losses), fsdp_graph.full_state_dict(model)
+
+
+def _layer_loop_matches_eager(info) -> None:
+    torch.use_deterministic_algorithms(True)
+    for forward_at in ((), (5,)):
+        eager = _layer_loop(info, False, forward_at)
+        _compare(f"per-layer graphs, forward between backward and step at {forward_at}",
+                 _layer_loop(info, True, forward_at), eager)
+    _compare("optimizer graph built before the module graphs", _layer_loop(info, True, (5,), True),
+             _layer_loop(info, False, (5,)))
+
+
+def test_per_layer_graphs_and_the_optimizer_graph_in_a_hand_written_loop_replay_again_after_a_move():
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    run_ranks(_layer_loop_matches_eager, _ranks())
+
+
 class _WithAux(nn.Module):
     """The GPT plus a head that only some steps use (an auxiliary loss, an MoE expert without tokens)."""
 

@@ -25,8 +25,8 @@ kept. Before a graph of the pool replays a forward, ``GradHomes.vacate`` moves v
 holds (a ``.grad`` not set to None, a ``.grad`` object kept) into memory of their own, the tensor
 objects staying the same; a tensor made from a gradient (a slice, a view) cannot follow and is
 refused, naming the fix. A home is at fixed addresses, so the optimizer graph reads the gradients
-there (it pins, and ``pin`` gives a home up, only gradients without one; it holds the ``.grad``
-objects weakly, as a strong reference would count as a holder). Only a pool of the graphs alone
+there and pins only gradients without a home (pinning gives a home up); its check holds no
+``.grad`` object strongly, which would count as a holder. Only a pool of the graphs alone
 (``pool=None``; not with activation offload) gets homes.
 
 A home is one piece per parameter (its local rows), not one block for the whole unit: the blocks a
@@ -49,6 +49,7 @@ class GradHomes:
     def __init__(self) -> None:
         self.members: list = []  # ShardedGrads
         self.written = False
+        self.warned_pinned = False  # that a member-to-be was pinned already (graphs/gradient_homes.py)
         self._busy: dict[int, object] = {}  # id(member) -> whether a graph sharing its home awaits its backward
 
     def add(self, grads, busy=None) -> None:

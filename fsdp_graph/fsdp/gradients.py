@@ -24,7 +24,8 @@ with collective graphs, each piece's reduce-scatter replays, keyed by the stagin
 where the sharded gradients are at their home and fresh, with the piece's write in the same graph).
 The masters' ``.grad`` live in ``sharded_grads.py``: views of one buffer per unit that follows
 ``zero_grad(set_to_none=...)`` as FSDP2's do (given back when every ``.grad`` was set to None, made
-again by the next reduce), or stays for good once pinned by a whole-step graph.
+again by the next reduce), or stays for good once pinned by a whole-step graph or an optimizer graph
+(which reads gradients homed in the layer graphs' pool there instead).
 """
 
 from __future__ import annotations

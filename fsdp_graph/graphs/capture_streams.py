@@ -22,18 +22,17 @@ pool), with no cuBLAS call in them.
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import threading
 import warnings
 import weakref
 
 import torch
 
+from .user_line import user_stacklevel
+
 STREAMS_PER_POOL = 32  # torch's pooled streams per device and priority (c10's kStreamsPerPool)
 _holders: dict[tuple[int, int], weakref.WeakSet] = {}  # (device, CUDA stream) -> live holders given it
 _lock = threading.Lock()
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _key(stream: torch.cuda.Stream) -> tuple[int, int]:
@@ -71,16 +70,8 @@ def capture_stream(device: torch.device | int | None, holder: object) -> torch.c
                 "graphed modules you no longer use (del step; gc.collect()) before building new ones, or graph "
                 "more modules per call (one graph_modules call for all blocks).",
                 RuntimeWarning,
-                stacklevel=_outside_package(),
+                stacklevel=user_stacklevel(),
             )
         _holders.setdefault(_key(stream), weakref.WeakSet()).add(holder)
     return stream
 
-
-def _outside_package() -> int:
-    """The ``stacklevel`` of the first caller outside this package (the user's line) for a warning
-    issued by the function that calls this one."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level

@@ -18,12 +18,14 @@ CUDA graph trees do; where it is missing the gradients stay where they were.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from functools import partial
 
 import torch
 
 from ..fsdp.capture_interface import FSDPUnit, replayable_roots, root_contexts
+from .user_line import user_stacklevel
 
 
 def home_gradients(units: list[FSDPUnit], group, index: int, pool, stream: torch.cuda.Stream) -> None:
@@ -42,6 +44,16 @@ def home_gradients(units: list[FSDPUnit], group, index: int, pool, stream: torch
     units = [u for u in units if u.grads.trainable]
     if not units or begin is None or end is None or release is None:
         return
+    pinned = [u for u in units if u.grads.sharded.pinned]
+    if pinned and not group.homes.warned_pinned:
+        group.homes.warned_pinned = True
+        warnings.warn(
+            f"the sharded gradients of FSDP unit {pinned[0].name} are pinned (an optimizer graph, "
+            "graph_optimizer_step, built before these graphs), so they keep memory of their own through the "
+            "forward instead of a home in the graphs' memory pool, which the optimizer graph reads as well. "
+            "Build graph_optimizer_step after graph_modules / graph_segments (make_train_step does).",
+            stacklevel=user_stacklevel(),
+        )
     device = stream.device.index
     with torch.cuda.stream(stream):
         begin(device, pool)

@@ -4,7 +4,8 @@ Outside a whole-step graph the optimizer step is eager Python over every master:
 ``_init_group`` and the swap to local shards cost about 1 ms of host time per step on the small
 preset (one H100's host), a fifth of a segment-graphed step's. Its kernels read only tensors that
 can stay at fixed addresses (the masters, the optimizer state, the learning rates as device
-tensors, the sharded gradients once pinned), so it is captured once and replayed:
+tensors, the sharded gradients pinned or at their home in the layer graphs' pool), so it is
+captured once and replayed:
 
     opt_step = fsdp_graph.graph_optimizer_step(model, optimizer, max_grad_norm=1.0)
     for batch in loader:
@@ -29,14 +30,14 @@ tensors, the sharded gradients once pinned), so it is captured once and replayed
   runs them there too, and they are off inside the capture.
 * Before every replay: which parameters have a gradient, and where, is compared with the capture
   (again after a user's pre-hook ran). When it differs (no rank used a parameter this step, a
-  ``.grad`` was replaced) the step runs eagerly, as ``optimizer.step()`` would, with a warning the
-  first time: correct, only slower. A change the graph would ignore (groups, state,
+  ``.grad`` was replaced, homed gradients moved out of their home because a ``.grad`` was still
+  set at a graphed forward) the step runs eagerly, as ``optimizer.step()`` would, with a warning
+  the first time: correct, only slower; steps whose gradients are back in place replay again. A change the graph would ignore (groups, state,
   hyperparameters) is refused (``captured_optimizer.py``).
 """
 
 from __future__ import annotations
 
-import operator
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -151,38 +152,43 @@ class GraphedOptimizerStep:
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"{WHAT}: this step's gradients are not the ones the graph was captured with ({which}: a "
+                f"{WHAT}: this step's gradients are not where the graph was captured reading them ({which}: a "
                 "parameter no rank used this step, a .grad replaced, or, under per-layer and segment graphs, "
                 "gradients moved out of their home in the graphs' pool because a .grad was still set when a "
-                "graphed forward ran: a forward between the backward and this step, or zero_grad(set_to_none="
-                "False); step and call zero_grad() before the next forward), so it steps eagerly, as "
-                "optimizer.step() would; correct, but without the graph's speed. Steps whose gradients match "
-                "the capture replay again. (Warned once.)",
+                "graphed forward ran, a forward between the backward and this step: step first), so it steps "
+                "eagerly, as optimizer.step() would; correct, but without the graph's speed. Steps whose "
+                "gradients are back where the capture read them replay again. (Warned once.)",
                 stacklevel=3,
             )
         return False
 
 
 class CapturedGradients:
-    """The ``.grad`` objects a captured step read, and their addresses, to compare before each replay.
-    Held weakly: a gradient home counts who holds its views (``fsdp/grad_homes.py``), and a strong
-    reference here would count as a user's, moving the values out of the home at every forward
-    (a copy into new memory: new addresses, and every step eager)."""
+    """Where the captured step read each ``.grad`` (None, or its local tensor's address, shape, strides
+    and dtype), compared before each replay: the graphs read that memory, whatever tensor object
+    points at it now (a home's gradients back in their home after a move come under new objects).
+    The objects are held weakly, only to skip the comparison of the layouts while they stay the same:
+    a gradient home counts who holds its views (``fsdp/grad_homes.py``), and a strong reference here
+    would count as a user's, moving the values out of the home at every forward."""
 
     def __init__(self, grads: list) -> None:
+        self._layouts = [None if g is None else _layout(g) for g in grads]
+        self._addresses = [0 if layout is None else layout[0] for layout in self._layouts]
         self._refs = [None if g is None else weakref.ref(g) for g in grads]
-        self._addresses = _addresses(grads)
 
     def differs(self, grads: list) -> str | None:
-        """None where ``grads`` are the captured objects at the captured addresses; else what differs."""
-        captured = [None if ref is None else ref() for ref in self._refs]
-        if all(map(operator.is_, grads, captured)) and _addresses(grads) == self._addresses:
+        """None where the step would read each gradient where the capture did; else what differs."""
+        same_objects = all(g is (None if ref is None else ref()) for g, ref in zip(grads, self._refs))
+        if same_objects and _addresses(grads) == self._addresses:
             return None
-        changed = next((i for i, (g, c) in enumerate(zip(grads, captured)) if g is not c), None)
-        if changed is None:
-            return "a .grad's memory moved"
-        return (f"parameter {changed}'s .grad is {'None' if grads[changed] is None else 'another tensor'}, "
-                f"{'None' if self._refs[changed] is None else 'a tensor'} at the capture")
+        for i, (g, layout) in enumerate(zip(grads, self._layouts)):
+            if (g is None) != (layout is None):
+                return f"parameter {i}'s .grad is {'None' if g is None else 'a tensor'}, " \
+                       f"{'None' if layout is None else 'a tensor'} at the capture"
+            if g is not None and _layout(g) != layout:
+                return f"parameter {i}'s .grad is not where the capture read it (its memory moved)"
+        self._refs = [None if g is None else weakref.ref(g) for g in grads]  # (the same places: new objects)
+        return None
 
 
 def graph_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None,
@@ -241,6 +247,11 @@ def _read_params(model: nn.Module, optimizer: torch.optim.Optimizer, clipping: b
 
 def _addresses(grads: list) -> list[int]:
     return [0 if g is None else local_tensor(g).data_ptr() for g in grads]
+
+
+def _layout(grad: torch.Tensor) -> tuple:
+    local = local_tensor(grad)
+    return local.data_ptr(), tuple(local.shape), local.stride(), local.dtype
 
 
 def _run_pre_hooks(optimizer) -> bool:
