@@ -1,6 +1,10 @@
 """Host cost of the CUDA driver calls a per-layer step makes: graph launches of a few sizes, events
 (new vs reused), stream waits; the GPU idle, and busy (a long kernel queued first)."""
-import time, threading, torch
+import os
+import threading
+import time
+
+import torch
 
 dev = torch.device("cuda", 0)
 torch.cuda.set_device(dev)
@@ -51,7 +55,8 @@ for busy in (False, True):
     rows.append(("stream.wait_event(reused)", tag, timeit(lambda: cur.wait_event(ev), 400, busy)))
     rows.append(("side.wait_stream(current)", tag, timeit(lambda: side.wait_stream(cur), 400, busy)))
     rows.append(("torch.cuda.current_stream(dev)", tag, timeit(lambda: torch.cuda.current_stream(dev), 400, busy)))
-    rows.append(("torch.cuda.set_stream x2", tag, timeit(lambda: (torch.cuda.set_stream(side), torch.cuda.set_stream(cur)), 400, busy)))
+    rows.append(("torch.cuda.set_stream x2", tag,
+                 timeit(lambda: (torch.cuda.set_stream(side), torch.cuda.set_stream(cur)), 400, busy)))
     rows.append(("small kernel launch (mul_)", tag, timeit(lambda: x.mul_(1.0), 400, busy)))
 
 # the same from a second thread (autograd's backward runs on one)
@@ -60,12 +65,14 @@ def on_thread():
     torch.cuda.set_device(dev)
     out["replay 50, other thread"] = timeit(graphs[50].replay, 200)
     out["Event()+record, other thread"] = timeit(lambda: torch.cuda.Event().record(side), 400)
-t = threading.Thread(target=on_thread); t.start(); t.join()
+t = threading.Thread(target=on_thread)
+t.start()
+t.join()
 for k, v in out.items():
     rows.append((k, "idle", v))
-import os
 with open(os.path.join(os.environ.get("OUT", "."), "driver_costs.md"), "w") as fh:
-    fh.write(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}\n\n| call | GPU | host µs per call |\n|---|---|---|\n")
+    fh.write(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}\n\n")
+    fh.write("| call | GPU | host µs per call |\n|---|---|---|\n")
     for name, tag, us in rows:
         fh.write(f"| {name} | {tag} | {us:.1f} |\n")
 print(open(os.path.join(os.environ.get("OUT", "."), "driver_costs.md")).read())
