@@ -32,8 +32,9 @@ captured once and replayed:
   (again after a user's pre-hook ran). When it differs (no rank used a parameter this step, a
   ``.grad`` was replaced, homed gradients moved out of their home because a ``.grad`` was still
   set at a graphed forward) the step runs eagerly, as ``optimizer.step()`` would, with a warning
-  the first time: correct, only slower; steps whose gradients are back in place replay again. A change the graph would ignore (groups, state,
-  hyperparameters) is refused (``captured_optimizer.py``).
+  the first time: correct, only slower; steps whose gradients are back in place replay again. A
+  change the graph would ignore (groups, state, hyperparameters) is refused
+  (``captured_optimizer.py``).
 """
 
 from __future__ import annotations
