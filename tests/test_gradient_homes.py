@@ -427,9 +427,10 @@ def _optimizer_graph_reads_the_homes(info) -> None:
         homes = _homed(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         params = [p for p in model.parameters() if p.requires_grad]
-        captured, differs, moves = None, [], []
+        captured, differs, moves, ours = None, [], [], []
         for step in range(5):
             _before_forward(homes)
+            home_at_forward = all(g._at_home for g in homes.members)  # (what a holder of the views moves out)
             local_loss(model, step, info).backward()
             if step in forward_between:
                 _before_forward(homes)
@@ -444,9 +445,13 @@ def _optimizer_graph_reads_the_homes(info) -> None:
             del grads
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
+            if captured is not None:
+                ours.append((home_at_forward, all(g._only_ours() for g in homes.members)))
         if what == "zero_grad()":
             assert differs == [False, False, False] and not any(moves), f"{what}: {differs}, moved {moves}"
-            assert all(g._only_ours() for g in homes.members), "the check holds a .grad: it would count as the user's"
+            # Nothing but the views' owner holds them, at every step after the capture: the check holds no .grad
+            # (else it would count as the user's, and the values would move out at every forward).
+            assert ours[1:] == [(True, True)] * 3 and ours[0][1], f"{what}: {ours}"
         elif what == "set_to_none=False":
             assert differs == [False, False, False] and moves[1:] == [True] * 4, f"{what}: {differs}, {moves}"
         else:  # (step 2 differs; steps 3 and 4 are home again, under other .grad objects than at the capture)

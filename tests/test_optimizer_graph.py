@@ -11,6 +11,7 @@ import fsdp_graph
 from fsdp_graph import GraphConfig
 from fsdp_graph.steps.captured_optimizer import CapturedOptimizer
 from fsdp_graph.steps.graph_config import validate_graph_config
+from fsdp_graph.steps.optimizer_graph import CapturedGradients
 
 from models import TinyLM, shard
 
@@ -118,3 +119,18 @@ def test_groups_or_state_replaced_after_the_capture_are_refused():
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     with pytest.raises(RuntimeError, match="param groups were replaced, or its state"):
         captured.check()
+
+
+def test_the_gradient_check_tells_a_missing_gradient_from_an_empty_one_and_follows_places_not_objects():
+    """``CapturedGradients``, the optimizer graph's check before each replay: a ``.grad`` None now where
+    the capture read an empty one (a rank holding no rows of a parameter: address 0, like nothing) is
+    refused, even once the captured object is gone; a new object at the captured place, shape and dtype
+    (homed gradients back home after a move) is accepted; another shape at that place is not."""
+    big = torch.zeros(6)
+    check = CapturedGradients([big, torch.empty(0, 3)])  # (the empty one dies at once: only a weak reference)
+    assert check.differs([big, None]) == "parameter 1's .grad is None, a tensor at the capture"
+    assert check.differs([big, torch.empty(0, 3)]) is None
+    assert check.differs([big.view(2, 3), torch.empty(0, 3)]) == "parameter 0's .grad is not where the capture " \
+                                                                  "read it (its memory moved)"
+    assert check.differs([big[:6], torch.empty(0, 3)]) is None  # (a new view of the same memory)
+    assert check.differs([torch.zeros(6), torch.empty(0, 3)]) is not None

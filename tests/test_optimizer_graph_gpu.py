@@ -197,7 +197,7 @@ def _layer_loop(info, graphed: bool, forward_at: tuple = (), optimizer_first: bo
         opt_step = fsdp_graph.graph_optimizer_step(model, opt, max_grad_norm=0.5, num_warmup_iters=WARMUP)
         with pytest.warns(UserWarning, match=r"pinned .*Build graph_optimizer_step after graph_modules") as caught:
             graph_blocks()
-        pinned = [w for w in caught if "are pinned" in str(w.message)]
+        pinned = [w for w in caught if "are pinned for good" in str(w.message)]
         assert len(pinned) == 1 and pinned[0].filename == __file__, "one warning, at the user's line"
     elif graphed:
         graph_blocks()

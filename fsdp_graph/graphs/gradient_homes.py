@@ -48,9 +48,9 @@ def home_gradients(units: list[FSDPUnit], group, index: int, pool, stream: torch
     if pinned and not group.homes.warned_pinned:
         group.homes.warned_pinned = True
         warnings.warn(
-            f"the sharded gradients of FSDP unit {pinned[0].name} are pinned (an optimizer graph, "
-            "graph_optimizer_step, built before these graphs), so they keep memory of their own through the "
-            "forward instead of a home in the graphs' memory pool, which the optimizer graph reads as well. "
+            f"the sharded gradients of FSDP unit {pinned[0].name} are pinned for good (by a graph_optimizer_step "
+            "built before these graphs, or a whole-step graph), so they keep memory of their own through the "
+            "forward instead of a home in the graphs' memory pool, which an optimizer graph reads as well. "
             "Build graph_optimizer_step after graph_modules / graph_segments (make_train_step does).",
             stacklevel=user_stacklevel(),
         )

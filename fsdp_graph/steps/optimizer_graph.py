@@ -168,13 +168,14 @@ class CapturedGradients:
     """Where the captured step read each ``.grad`` (None, or its local tensor's address, shape, strides
     and dtype), compared before each replay: the graphs read that memory, whatever tensor object
     points at it now (a home's gradients back in their home after a move come under new objects).
-    The objects are held weakly, only to skip the comparison of the layouts while they stay the same:
-    a gradient home counts who holds its views (``fsdp/grad_homes.py``), and a strong reference here
-    would count as a user's, moving the values out of the home at every forward."""
+    The objects are held weakly, only to compare addresses alone while they stay the same (their
+    shapes could change only by resizing a ``.grad`` in place): a gradient home counts who holds its
+    views (``fsdp/grad_homes.py``), and a strong reference here would count as a user's, moving the
+    values out of the home at every forward."""
 
     def __init__(self, grads: list) -> None:
         self._layouts = [None if g is None else _layout(g) for g in grads]
-        self._addresses = [0 if layout is None else layout[0] for layout in self._layouts]
+        self._addresses = [None if layout is None else layout[0] for layout in self._layouts]
         self._refs = [None if g is None else weakref.ref(g) for g in grads]
 
     def differs(self, grads: list) -> str | None:
@@ -246,8 +247,8 @@ def _read_params(model: nn.Module, optimizer: torch.optim.Optimizer, clipping: b
     return list(seen.values())
 
 
-def _addresses(grads: list) -> list[int]:
-    return [0 if g is None else local_tensor(g).data_ptr() for g in grads]
+def _addresses(grads: list) -> list[int | None]:
+    return [None if g is None else local_tensor(g).data_ptr() for g in grads]  # (None: an empty one is at 0)
 
 
 def _layout(grad: torch.Tensor) -> tuple:
