@@ -43,13 +43,14 @@ SELECTIONS = {
 }
 
 
-def _build(info, oversized_block: bool, mesh_shape: tuple | None = None, wide_root: bool = False) -> GPT:
+def _build(info, oversized_block: bool, mesh_shape: tuple | None = None, wide_root: bool = False,
+           cfg: GPTConfig = CFG) -> GPT:
     """``wide_root``: a vocabulary of 4096 (the batches use its first 512 tokens), so the root unit
     is wider than the shared staging and reduces through it in pieces."""
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(CFG, vocab_size=4096) if wide_root else CFG)
+    model = GPT(dataclasses.replace(cfg, vocab_size=4096) if wide_root else cfg)
     if oversized_block:  # block 1's MLP is twice as wide: its unit does not fit a slot
-        mlp, d = model.blocks[1].mlp, CFG.d_model
+        mlp, d = model.blocks[1].mlp, cfg.d_model
         mlp.fc, mlp.proj = nn.Linear(d, 8 * d), nn.Linear(8 * d, d)
         mlp.apply(GPT._init_weights)
     model.to(info.device)

@@ -86,13 +86,7 @@ def _peak_of_training(info, optimizer_graph: bool) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    cfg = dataclasses.replace(CFG, d_model=512, n_heads=8)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(info.device)
-    policy = fsdp_graph.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fsdp_graph.fully_shard(block, mp_policy=policy)
-    fsdp_graph.fully_shard(model, mp_policy=policy)
+    model = _build(info, oversized_block=False, cfg=dataclasses.replace(CFG, d_model=512, n_heads=8))
     config = GraphConfig(strategy="layer", optimizer_graph=optimizer_graph, num_warmup_iters=WARMUP)
     step = fsdp_graph.make_train_step(lambda idx, targets: model(idx, targets)[1], model,
                                       _adamw(model, info.device), config=config, example_batch=_batch(0, info))
